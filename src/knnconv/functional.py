@@ -1,0 +1,124 @@
+"""knn_conv: input validation, backend choice, autocast, and the one autograd Function."""
+
+from __future__ import annotations
+
+import torch
+
+from .ops.registry import KNNConvOps, resolve_backend
+from .plan import KNNConvPlan
+
+
+def _check_tensor(name: str, value, *, floating: bool = True) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if floating and not value.is_floating_point():
+        raise TypeError(f"{name} must have a floating dtype, got {value.dtype}")
+    return value
+
+
+def validate_call(x, weight, bias, plan) -> None:
+    """Raise TypeError/ValueError naming the offending argument before any compute."""
+    if not isinstance(plan, KNNConvPlan):
+        raise TypeError(f"plan must be a KNNConvPlan (see knnconv.make_plan), got {type(plan).__name__}")
+    _check_tensor("x", x)
+    _check_tensor("weight", weight)
+    if x.dim() != 3:
+        raise ValueError(f"x must be 3-D [B, Cin, Nin], got shape {tuple(x.shape)}")
+    if x.shape[1] != plan.cin or x.shape[2] != plan.nin:
+        raise ValueError(
+            f"x must have shape [B, Cin={plan.cin}, Nin={plan.nin}] to match the plan, "
+            f"got {tuple(x.shape)}"
+        )
+    if tuple(weight.shape) != (plan.cout, plan.q):
+        raise ValueError(
+            f"weight must have shape [Cout, Cin*V] = [{plan.cout}, {plan.q}], got {tuple(weight.shape)}"
+        )
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device} but x is on {x.device}")
+    if bias is not None:
+        _check_tensor("bias", bias)
+        if tuple(bias.shape) != (plan.cout,):
+            raise ValueError(f"bias must have shape [Cout] = [{plan.cout}], got {tuple(bias.shape)}")
+        if bias.device != x.device:
+            raise ValueError(f"bias is on {bias.device} but x is on {x.device}")
+
+
+def compute_dtype(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.dtype:
+    """The dtype the backend computes in: autocast's when active, else the (common) input dtype."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype != x.dtype:
+            raise TypeError(
+                f"{name} has dtype {t.dtype} but x has {x.dtype}; cast them to one dtype "
+                "or run under torch.autocast"
+            )
+    return x.dtype
+
+
+class KNNConvFunction(torch.autograd.Function):
+    """Differentiable KNN convolution over any registered backend.
+
+    The backend sees tensors in the compute dtype; its float32 gradients are cast straight to
+    the dtypes of x, weight and bias, never through the (narrower) compute dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, plan: KNNConvPlan, ops: KNNConvOps, dtype: torch.dtype):
+        xc = x.to(dtype).contiguous()
+        wc = weight.to(dtype).contiguous()
+        bc = None if bias is None else bias.to(dtype)
+        if x.shape[0] == 0:  # an empty batch is legal; no backend needs to handle it
+            y = xc.new_empty(0, plan.nout, plan.cout).transpose(1, 2)
+        else:
+            y = ops.forward(plan, xc, wc, bc)
+        ctx.save_for_backward(xc if weight.requires_grad else None,
+                              wc if x.requires_grad else None)
+        ctx.plan, ctx.ops, ctx.compute_dtype = plan, ops, dtype
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        xc, wc = ctx.saved_tensors
+        plan, ops = ctx.plan, ctx.ops
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_y = grad_y.to(ctx.compute_dtype).contiguous()
+        grad_x = grad_w = grad_b = None
+        if grad_y.shape[0] == 0:
+            grad_x = grad_y.new_zeros(0, plan.cin, plan.nin)
+            grad_w = grad_y.new_zeros(plan.cout, plan.q)
+        elif need_x and need_w:
+            grad_x, grad_w = ops.backward_combined(plan, grad_y, xc, wc)
+        elif need_x:
+            grad_x = ops.grad_input(plan, grad_y, wc)
+        elif need_w:
+            grad_w = ops.grad_weight(plan, grad_y, xc)
+        if need_b:
+            acc = torch.float64 if grad_y.dtype == torch.float64 else torch.float32
+            grad_b = grad_y.sum(dim=(0, 2), dtype=acc).to(b_dtype)
+        grad_x = grad_x.to(x_dtype) if need_x else None
+        grad_w = grad_w.to(w_dtype) if need_w else None
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def knn_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: KNNConvPlan,
+             backend: str = "auto") -> torch.Tensor:
+    """KNN convolution y[b, o, n] = bias[o] + sum_{c,k} x[b, c, knn[k, n]] * weight[o, c*V + rf[n, k]].
+
+    x: [B, Cin, Nin]; weight: [Cout, Cin*V]; bias: [Cout] or None; returns [B, Cout, Nout]
+    (a transposed view of a [B, Nout, Cout] buffer). Differentiable in x, weight and bias.
+    """
+    return knn_conv_with_backend(x, weight, bias, plan, backend)[0]
+
+
+def knn_conv_with_backend(x, weight, bias, plan, backend="auto") -> tuple[torch.Tensor, str]:
+    """Like :func:`knn_conv`, also returning the name of the backend that ran."""
+    validate_call(x, weight, bias, plan)
+    dtype = compute_dtype(x, weight, bias)
+    ops = resolve_backend(backend, plan, x.device, dtype)
+    with torch.autocast(x.device.type, enabled=False):
+        y = KNNConvFunction.apply(x, weight, bias, plan, ops, dtype)
+    return y, ops.name

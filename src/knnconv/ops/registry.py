@@ -1,0 +1,104 @@
+"""The one interface every backend implements, the registry of backends, and the auto policy.
+
+A backend computes in the dtype it is handed (the autograd layer has already applied autocast)
+and returns gradients in float32 (float64 for float64 inputs): the autograd layer casts them
+to the dtypes of the tensors they belong to, so fp32 master weights get fp32 gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..plan import KNNConvPlan
+
+
+class KNNConvOps:
+    """Base class of a backend. Subclasses set ``name`` and implement the three primitives."""
+
+    name: str = ""
+
+    def unsupported_reason(self, plan: KNNConvPlan, device: torch.device,
+                           dtype: torch.dtype) -> str | None:
+        """Why this backend cannot compute this plan on ``device`` in ``dtype`` (None if it can)."""
+        return None
+
+    def forward(self, plan: KNNConvPlan, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        """y [B, Cout, Nout] in x's dtype."""
+        raise NotImplementedError
+
+    def grad_input(self, plan: KNNConvPlan, grad_y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """dL/dx [B, Cin, Nin], accumulated in at least float32."""
+        raise NotImplementedError
+
+    def grad_weight(self, plan: KNNConvPlan, grad_y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """dL/dweight [Cout, Cin*V], accumulated in at least float32."""
+        raise NotImplementedError
+
+    def backward_combined(self, plan: KNNConvPlan, grad_y: torch.Tensor, x: torch.Tensor,
+                          weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both gradients; backends override this when they can share work between them."""
+        return self.grad_input(plan, grad_y, weight), self.grad_weight(plan, grad_y, x)
+
+    def __repr__(self) -> str:
+        return f"<knnconv ops {self.name!r}>"
+
+
+_REGISTRY: dict[str, KNNConvOps] = {}
+_LAZY: dict[str, Callable[[], KNNConvOps]] = {}
+
+
+def register_ops(ops: KNNConvOps, *, replace: bool = False) -> KNNConvOps:
+    """Make ``ops`` available as ``backend=ops.name``."""
+    if not isinstance(ops, KNNConvOps) or not ops.name:
+        raise TypeError("register_ops expects a KNNConvOps instance with a non-empty name")
+    if ops.name == "auto":
+        raise ValueError("'auto' is reserved for the automatic backend choice")
+    if ops.name in _REGISTRY and not replace:
+        raise ValueError(f"a backend named {ops.name!r} is already registered")
+    _REGISTRY[ops.name] = ops
+    return ops
+
+
+def register_lazy_ops(name: str, factory: Callable[[], KNNConvOps]) -> None:
+    """Register a backend whose module is imported on first use (keeps `import knnconv` light)."""
+    _LAZY[name] = factory
+
+
+def available_backends() -> list[str]:
+    """Names that ``backend=`` accepts, besides 'auto'."""
+    return sorted(set(_REGISTRY) | set(_LAZY))
+
+
+def get_ops(name: str) -> KNNConvOps:
+    """The backend registered under ``name``."""
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a str, got {type(name).__name__}")
+    ops = _REGISTRY.get(name)
+    if ops is None and name in _LAZY:
+        ops = register_ops(_LAZY[name](), replace=True)
+    if ops is None:
+        raise ValueError(f"unknown backend {name!r}; choose 'auto' or one of {available_backends()}")
+    return ops
+
+
+def resolve_backend(name: str, plan: KNNConvPlan, device: torch.device,
+                    dtype: torch.dtype) -> KNNConvOps:
+    """The backend that will serve a call: ``name`` itself, or the auto policy's choice.
+
+    An explicitly named backend that cannot serve the call raises; it never falls back.
+    Auto picks the native CUDA backend for CUDA tensors it supports, else torch_compact.
+    """
+    if name == "auto":
+        if device.type == "cuda" and "cuda" in available_backends():
+            cuda_ops = get_ops("cuda")
+            if cuda_ops.unsupported_reason(plan, device, dtype) is None:
+                return cuda_ops
+        return get_ops("torch_compact")
+    ops = get_ops(name)
+    reason = ops.unsupported_reason(plan, device, dtype)
+    if reason is not None:
+        raise ValueError(f"backend {name!r} cannot run this call: {reason}")
+    return ops

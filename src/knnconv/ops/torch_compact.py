@@ -1,0 +1,96 @@
+"""Compact gather-GEMM in plain PyTorch: the seed's tables, batched matmuls, fp32 index_add_.
+
+Per output node n the operands are A_n[b, p] = x[b, input_linear[n, p]] and
+W_n[p, o] = weight[o, weight_linear[n, p]], so y[:, :, n] = A_n @ W_n. Nodes are processed in
+chunks so the gathered temporaries stay under ``memory_budget`` bytes. Runs on any device
+and dtype; the backward scatters with index_add_ in float32 (float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..plan import KNNConvPlan
+from .registry import KNNConvOps
+
+DEFAULT_MEMORY_BUDGET = 256 * 2**20
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class TorchCompactOps(KNNConvOps):
+    name = "torch_compact"
+
+    def __init__(self, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> None:
+        self.memory_budget = memory_budget
+
+    def _node_chunks(self, plan: KNNConvPlan, batch: int, element_size: int):
+        # Per node: gathered inputs, gathered weights and the product, in the compute dtype,
+        # plus the float32 copy the backward scatters.
+        per_node = (batch * plan.p + plan.p * plan.cout + batch * max(plan.p, plan.cout))
+        per_node *= element_size + 4
+        step = max(1, min(plan.nout, self.memory_budget // max(per_node, 1)))
+        for start in range(0, plan.nout, step):
+            yield start, min(start + step, plan.nout)
+
+    @staticmethod
+    def _tables(plan: KNNConvPlan, device: torch.device):
+        def build(tables):
+            # Slots past Cin*K only exist to pad kernel tiles; this backend skips them.
+            return (tables.input_linear[:, :plan.p].long().contiguous(),
+                    tables.weight_linear[:, :plan.p].long().contiguous())
+        return plan.derived(device, "torch_compact.slots", build)
+
+    @staticmethod
+    def _flat_input(plan: KNNConvPlan, x: torch.Tensor) -> torch.Tensor:
+        # Index Cin*Nin addresses an appended zero column: the padding neighbour.
+        flat = x.reshape(x.shape[0], plan.cin * plan.nin)
+        return torch.cat([flat, flat.new_zeros(x.shape[0], 1)], dim=1)
+
+    def forward(self, plan, x, weight, bias):
+        batch = x.shape[0]
+        input_slots, weight_slots = self._tables(plan, x.device)
+        flat = self._flat_input(plan, x)
+        weight_rows = weight.t()  # [Q, Cout]
+        y = torch.empty(batch, plan.nout, plan.cout, dtype=x.dtype, device=x.device)
+        for start, stop in self._node_chunks(plan, batch, x.element_size()):
+            gathered = flat[:, input_slots[start:stop]].transpose(0, 1)  # [n, B, P]
+            node_weights = weight_rows[weight_slots[start:stop]]  # [n, P, Cout]
+            y[:, start:stop] = torch.bmm(gathered, node_weights).transpose(0, 1)
+        if bias is not None:
+            y += bias.to(y.dtype)
+        return y.transpose(1, 2)
+
+    def grad_input(self, plan, grad_y, weight):
+        batch = grad_y.shape[0]
+        input_slots, weight_slots = self._tables(plan, grad_y.device)
+        acc = _accumulation_dtype(grad_y.dtype)
+        grad_flat = torch.zeros(batch, plan.cin * plan.nin + 1, dtype=acc, device=grad_y.device)
+        weight_rows = weight.t().to(grad_y.dtype)
+        for start, stop in self._node_chunks(plan, batch, grad_y.element_size()):
+            grad_nodes = grad_y[:, :, start:stop].permute(2, 0, 1)  # [n, B, Cout]
+            node_weights = weight_rows[weight_slots[start:stop]]  # [n, P, Cout]
+            grad_gathered = torch.bmm(grad_nodes, node_weights.transpose(1, 2))  # [n, B, P]
+            grad_flat.index_add_(
+                1, input_slots[start:stop].reshape(-1),
+                grad_gathered.transpose(0, 1).reshape(batch, -1).to(acc),
+            )
+        return grad_flat[:, : plan.cin * plan.nin].view(batch, plan.cin, plan.nin)
+
+    def grad_weight(self, plan, grad_y, x):
+        batch = grad_y.shape[0]
+        input_slots, weight_slots = self._tables(plan, grad_y.device)
+        acc = _accumulation_dtype(grad_y.dtype)
+        grad_rows = torch.zeros(plan.q, plan.cout, dtype=acc, device=grad_y.device)
+        flat = self._flat_input(plan, x.to(grad_y.dtype))
+        for start, stop in self._node_chunks(plan, batch, grad_y.element_size()):
+            gathered = flat[:, input_slots[start:stop]].permute(1, 2, 0)  # [n, P, B]
+            grad_nodes = grad_y[:, :, start:stop].permute(2, 0, 1)  # [n, B, Cout]
+            grad_node_weights = torch.bmm(gathered, grad_nodes)  # [n, P, Cout]
+            grad_rows.index_add_(
+                0, weight_slots[start:stop].reshape(-1),
+                grad_node_weights.reshape(-1, plan.cout).to(acc),
+            )
+        return grad_rows.t()

@@ -1,0 +1,186 @@
+"""KNNConvPlan: the sizes and index tables of one KNN-convolution layer geometry.
+
+A plan is built once per layer and shared by every call. It holds the raw neighbour
+tables (knn_indices, rf_index) and the compact int32 tables of the seed design
+(input_linear, weight_linear), copied lazily to each device they are used on. Tables a
+backend derives (launch buffers, reverse maps) are built once per device through
+:meth:`KNNConvPlan.derived` and live as long as the plan.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+INT32_MAX = 2**31 - 1
+SLOT_ALIGN = 64  # P is padded to a multiple of this so every kernel K-tile is full.
+
+
+def _as_index_tensor(name: str, table: Any) -> torch.Tensor:
+    if isinstance(table, np.ndarray):
+        table = torch.from_numpy(np.ascontiguousarray(table))
+    if not isinstance(table, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or numpy array, got {type(table).__name__}")
+    if table.is_floating_point() or table.is_complex() or table.dtype == torch.bool:
+        raise TypeError(f"{name} must have an integer dtype, got {table.dtype}")
+    return table
+
+
+def _check_positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)
+
+
+def _check_tables(knn_indices: torch.Tensor, rf_index: torch.Tensor, nin: int, v: int) -> None:
+    if knn_indices.dim() != 2:
+        raise ValueError(f"knn_indices must be 2-D [K, Nout], got shape {tuple(knn_indices.shape)}")
+    k, nout = knn_indices.shape
+    if k < 1 or nout < 1:
+        raise ValueError(f"knn_indices must have K >= 1 and Nout >= 1, got shape {(k, nout)}")
+    if tuple(rf_index.shape) != (nout, k):
+        raise ValueError(
+            f"rf_index must have shape [Nout, K] = [{nout}, {k}] to match knn_indices, "
+            f"got {tuple(rf_index.shape)}"
+        )
+    kmin, kmax = int(knn_indices.min()), int(knn_indices.max())
+    if kmin < 0 or kmax > nin:
+        raise ValueError(
+            f"knn_indices entries must lie in [0, nin] = [0, {nin}] (nin marks padding), "
+            f"got range [{kmin}, {kmax}]"
+        )
+    rmin, rmax = int(rf_index.min()), int(rf_index.max())
+    if rmin < 0 or rmax >= v:
+        raise ValueError(f"rf_index entries must lie in [0, v) = [0, {v}), got range [{rmin}, {rmax}]")
+
+
+def compact_tables(
+    knn_indices: torch.Tensor, rf_index: torch.Tensor, cin: int, nin: int, v: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The seed's persistent int32 gather tables, each [Nout, P64].
+
+    Slot p = c*K + k. ``input_linear[n, p] = c*Nin + knn[k, n]`` (``Cin*Nin`` for a padding
+    neighbour and for every slot p >= Cin*K); ``weight_linear[n, p] = c*V + rf[n, k]``
+    (0 on the slots p >= Cin*K). The tables live on the device of ``knn_indices``.
+    """
+    knn_indices = _as_index_tensor("knn_indices", knn_indices)
+    rf_index = _as_index_tensor("rf_index", rf_index).to(knn_indices.device)
+    cin, nin, v = (_check_positive(n, val) for n, val in (("cin", cin), ("nin", nin), ("v", v)))
+    _check_tables(knn_indices, rf_index, nin, v)
+    if cin * nin + 1 > INT32_MAX or cin * v > INT32_MAX:
+        raise ValueError(f"cin*nin ({cin * nin}) and cin*v ({cin * v}) must fit in int32")
+    k, nout = knn_indices.shape
+    p = cin * k
+    p64 = -(-p // SLOT_ALIGN) * SLOT_ALIGN
+    knn = knn_indices.to(torch.int64).t()  # [Nout, K]
+    channel = torch.arange(cin, device=knn.device).view(1, cin, 1)
+    gathered = torch.where(knn.unsqueeze(1) == nin, cin * nin, knn.unsqueeze(1) + channel * nin)
+    binned = rf_index.to(torch.int64).unsqueeze(1) + channel * v
+    input_linear = torch.full((nout, p64), cin * nin, dtype=torch.int32, device=knn.device)
+    weight_linear = torch.zeros((nout, p64), dtype=torch.int32, device=knn.device)
+    input_linear[:, :p] = gathered.reshape(nout, p)
+    weight_linear[:, :p] = binned.reshape(nout, p)
+    return input_linear, weight_linear
+
+
+@dataclass
+class DeviceTables:
+    """One plan's tables on one device, plus the tables backends derived there."""
+
+    knn_indices: torch.Tensor  # int64 [K, Nout]
+    rf_index: torch.Tensor  # int64 [Nout, K]
+    input_linear: torch.Tensor  # int32 [Nout, P64]
+    weight_linear: torch.Tensor  # int32 [Nout, P64]
+    derived: dict[str, Any] = field(default_factory=dict)
+
+
+class KNNConvPlan:
+    """Sizes and tables of one KNN-convolution geometry; build with :func:`make_plan`."""
+
+    def __init__(
+        self, knn_indices: torch.Tensor, rf_index: torch.Tensor, *, nin: int, v: int, cin: int,
+        cout: int,
+    ) -> None:
+        knn_indices = _as_index_tensor("knn_indices", knn_indices)
+        rf_index = _as_index_tensor("rf_index", rf_index)
+        self.nin = _check_positive("nin", nin)
+        self.v = _check_positive("v", v)
+        self.cin = _check_positive("cin", cin)
+        self.cout = _check_positive("cout", cout)
+        input_linear, weight_linear = compact_tables(
+            knn_indices.cpu(), rf_index.cpu(), self.cin, self.nin, self.v
+        )
+        self.k, self.nout = knn_indices.shape
+        self.p = self.cin * self.k
+        self.p64 = input_linear.shape[1]
+        self.q = self.cin * self.v
+        self.padding_fraction = float((knn_indices == self.nin).float().mean())
+        self._host = DeviceTables(
+            knn_indices.cpu().to(torch.int64).contiguous(),
+            rf_index.cpu().to(torch.int64).contiguous(),
+            input_linear,
+            weight_linear,
+        )
+        self._per_device: dict[torch.device, DeviceTables] = {torch.device("cpu"): self._host}
+        self._lock = threading.RLock()
+
+    def on(self, device: torch.device | str) -> DeviceTables:
+        """The tables on ``device``, copied there on first use and cached for the plan's life."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        tables = self._per_device.get(device)
+        if tables is None:
+            with self._lock:
+                tables = self._per_device.get(device)
+                if tables is None:
+                    host = self._host
+                    tables = DeviceTables(
+                        *(t.to(device) for t in (host.knn_indices, host.rf_index,
+                                                 host.input_linear, host.weight_linear))
+                    )
+                    self._per_device[device] = tables
+        return tables
+
+    def derived(self, device: torch.device | str, key: str, build: Callable[[DeviceTables], Any]) -> Any:
+        """A table derived from this plan on ``device``, built once by ``build(tables)``."""
+        tables = self.on(device)
+        value = tables.derived.get(key)
+        if value is None:
+            with self._lock:
+                value = tables.derived.get(key)
+                if value is None:
+                    value = build(tables)
+                    tables.derived[key] = value
+        return value
+
+    @property
+    def knn_indices(self) -> torch.Tensor:
+        return self._host.knn_indices
+
+    @property
+    def rf_index(self) -> torch.Tensor:
+        return self._host.rf_index
+
+    def __repr__(self) -> str:
+        return (
+            f"KNNConvPlan(cin={self.cin}, cout={self.cout}, nin={self.nin}, nout={self.nout}, "
+            f"k={self.k}, v={self.v}, p64={self.p64}, padding={self.padding_fraction:.1%})"
+        )
+
+
+def make_plan(
+    knn_indices: torch.Tensor, rf_index: torch.Tensor, *, nin: int, v: int, cin: int, cout: int
+) -> KNNConvPlan:
+    """Validate a layer geometry and build its :class:`KNNConvPlan`.
+
+    knn_indices: integer [K, Nout], entries in [0, nin] (nin = padding neighbour).
+    rf_index: integer [Nout, K], entries in [0, v).
+    """
+    return KNNConvPlan(knn_indices, rf_index, nin=nin, v=v, cin=cin, cout=cout)
