@@ -17,7 +17,8 @@ import torch
 
 __all__ = ["foveated_coords", "foveated_stack", "knn_geometry"]
 
-# Bounds the [chunk, Nin] distance matrix to ~128 MiB of float64, whatever the layout size.
+# Caps the [chunk, Nin] distance matrix at 2**24 float64 entries (128 MiB; its [chunk, Nin, 2]
+# coordinate differences take twice that), whatever the layout size.
 _DISTANCE_ELEMENTS_PER_CHUNK = 1 << 24
 
 
@@ -106,7 +107,7 @@ def foveated_coords(n_rings, *, a=0.5, fov_radius=1.0):
     """
     radii, counts = _ring_layout(n_rings, a, fov_radius)
     rings = []
-    for ring, (radius, count) in enumerate(zip(radii, counts)):
+    for ring, (radius, count) in enumerate(zip(radii, counts, strict=True)):
         step = 2.0 * math.pi / count
         angles = (torch.arange(count, dtype=torch.float64) + 0.5 * (ring % 2)) * step
         rings.append(radius * torch.stack([torch.cos(angles), torch.sin(angles)], dim=1))

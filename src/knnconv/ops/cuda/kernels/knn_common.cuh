@@ -1,0 +1,90 @@
+// Building blocks shared by the KNN-convolution kernels: 16-byte staging of gathered rows
+// into shared memory (cp.async or synchronous), and dtype conversion.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <mma.h>
+
+namespace knnconv {
+
+// Every staged row is a run of 16-byte chunks: 8 elements of a 2-byte type.
+constexpr int kChunk = 8;
+// Row padding of every shared-memory tile, in elements: one chunk, which staggers rows
+// across banks and keeps every 16-row fragment offset 32-byte aligned for wmma.
+constexpr int kPad = 8;
+constexpr int kWarp = 32;
+constexpr int kFrag = 16;
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(gmem));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+template <bool kAsync>
+__device__ __forceinline__ void copy_chunk(void* smem, const void* gmem) {
+  if constexpr (kAsync) {
+    cp_async_16(smem, gmem);
+  } else {
+    *reinterpret_cast<uint4*>(smem) = __ldg(reinterpret_cast<const uint4*>(gmem));
+  }
+}
+
+// Copies kRows rows of kWidth elements into shared memory rows of pitch kPitch.
+// row_start(r) gives the global element offset of the first element of row r.
+template <typename T, int kRows, int kWidth, int kPitch, int kThreads, bool kAsync, typename RowStart>
+__device__ __forceinline__ void stage_rows(T* smem, const T* __restrict__ base, RowStart row_start) {
+  static_assert(kWidth % kChunk == 0, "staged rows must be whole 16-byte chunks");
+  constexpr int kChunksPerRow = kWidth / kChunk;
+  constexpr int kChunks = kRows * kChunksPerRow;
+#pragma unroll
+  for (int i = 0; i < (kChunks + kThreads - 1) / kThreads; ++i) {
+    const int chunk = i * kThreads + static_cast<int>(threadIdx.x);
+    if (kChunks % kThreads == 0 || chunk < kChunks) {
+      const int row = chunk / kChunksPerRow;
+      const int col = (chunk % kChunksPerRow) * kChunk;
+      copy_chunk<kAsync>(smem + row * kPitch + col, base + row_start(row) + col);
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ T from_float(float value);
+
+template <>
+__device__ __forceinline__ __half from_float<__half>(float value) {
+  return __float2half_rn(value);
+}
+
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float value) {
+  return __float2bfloat16_rn(value);
+}
+
+// The software pipeline every kernel runs over its contraction tiles [first, last):
+// kStages shared-memory buffers, tile t+kStages-1 in flight while tile t is multiplied.
+template <int kStages, typename Load, typename Compute>
+__device__ __forceinline__ void pipeline(int first, int last, Load load, Compute compute) {
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (first + s < last) load(first + s, s);
+    cp_async_commit();
+  }
+  for (int tile = first; tile < last; ++tile) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // tile is visible to all, and every warp is done with the slot reloaded next
+    const int ahead = tile + kStages - 1;
+    if (ahead < last) load(ahead, (ahead - first) % kStages);
+    cp_async_commit();
+    compute((tile - first) % kStages);
+  }
+}
+
+}  // namespace knnconv

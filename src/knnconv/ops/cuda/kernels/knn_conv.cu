@@ -1,0 +1,261 @@
+// KNN-convolution kernels: one output node per CTA column, gathered operand tiles,
+// tensor-core (wmma) products with fp32 accumulation.
+//
+// Layouts (built by launch.py; every padded extent is a multiple of the tiles using it):
+//   xt [Cin*Nin + 1, bpad]   x transposed; row Cin*Nin is zeros (the padding neighbour)
+//   wt [Cin*V, cpad]         weight transposed, columns past Cout are zeros
+//   gt [Nout, cpad, bpad]    grad_y with the batch contiguous, rows past Cout are zeros
+// input_linear / weight_linear [Nout, P64] pick, for slot p of node n, the xt row and wt row.
+// Each gathered row is contiguous along the axis that is not gathered, so every tile is
+// staged as whole 16-byte chunks.
+#include "knn_common.cuh"
+
+namespace knnconv {
+
+using namespace nvcuda;
+
+template <typename T, int kRowsM, int kColsN, int kWarpsM, int kWarpsN>
+struct WarpTile {
+  static constexpr int kFragsM = kRowsM / kWarpsM / kFrag;
+  static constexpr int kFragsN = kColsN / kWarpsN / kFrag;
+  static_assert(kFragsM * kWarpsM * kFrag == kRowsM, "M tile must split into 16-row warp fragments");
+  static_assert(kFragsN * kWarpsN * kFrag == kColsN, "N tile must split into 16-col warp fragments");
+  wmma::fragment<wmma::accumulator, kFrag, kFrag, kFrag, float> acc[kFragsM][kFragsN];
+
+  __device__ void zero() {
+#pragma unroll
+    for (int i = 0; i < kFragsM; ++i)
+#pragma unroll
+      for (int j = 0; j < kFragsN; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+  }
+
+  // One 16-deep step: a_at(i) / b_at(j) point at the fragments of this warp's row i / column j.
+  template <typename LayoutA, typename LayoutB, typename AAt, typename BAt>
+  __device__ void multiply(AAt a_at, BAt b_at, int lda, int ldb) {
+    wmma::fragment<wmma::matrix_a, kFrag, kFrag, kFrag, T, LayoutA> a[kFragsM];
+    wmma::fragment<wmma::matrix_b, kFrag, kFrag, kFrag, T, LayoutB> b[kFragsN];
+#pragma unroll
+    for (int i = 0; i < kFragsM; ++i) wmma::load_matrix_sync(a[i], a_at(i), lda);
+#pragma unroll
+    for (int j = 0; j < kFragsN; ++j) wmma::load_matrix_sync(b[j], b_at(j), ldb);
+#pragma unroll
+    for (int i = 0; i < kFragsM; ++i)
+#pragma unroll
+      for (int j = 0; j < kFragsN; ++j) wmma::mma_sync(acc[i][j], a[i], b[j], acc[i][j]);
+  }
+
+  // Hands every accumulator element to emit(row, col, value), row/col relative to the warp's
+  // first fragment, through a 16x16 per-warp scratch. kRowFastest picks which index runs
+  // across consecutive lanes, so the caller's global accesses are the coalesced ones.
+  template <bool kRowFastest, typename Emit>
+  __device__ void drain(float* scratch, Emit emit) {
+    const int lane = threadIdx.x % kWarp;
+#pragma unroll
+    for (int i = 0; i < kFragsM; ++i)
+#pragma unroll
+      for (int j = 0; j < kFragsN; ++j) {
+        wmma::store_matrix_sync(scratch, acc[i][j], kFrag,
+                                kRowFastest ? wmma::mem_col_major : wmma::mem_row_major);
+        __syncwarp();
+#pragma unroll
+        for (int e = lane; e < kFrag * kFrag; e += kWarp) {
+          const int slow = e / kFrag, fast = e % kFrag;
+          const int row = kRowFastest ? fast : slow, col = kRowFastest ? slow : fast;
+          emit(i * kFrag + row, j * kFrag + col, scratch[e]);
+        }
+        __syncwarp();
+      }
+  }
+};
+
+// Shared memory of a kernel: kStages buffers of an A and a B tile, then one scratch per warp.
+template <typename T, int kStages, int kAElems, int kBElems>
+struct StageBuffers {
+  T* a;
+  T* b;
+  float* scratch;
+  __device__ StageBuffers(unsigned char* raw, int warp) {
+    a = reinterpret_cast<T*>(raw);
+    b = a + kStages * kAElems;
+    scratch = reinterpret_cast<float*>(b + kStages * kBElems) + warp * kFrag * kFrag;
+  }
+};
+
+// y[b, n, o] = bias[o] + sum_p xt[in(n,p), b] * wt[w(n,p), o]: M = batch, N = Cout, K = P64.
+template <typename T, int kTileM, int kTileN, int kTileK, int kWarpsM, int kWarpsN, int kStages,
+          bool kAsync>
+__global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
+    knn_forward(const T* __restrict__ xt, const T* __restrict__ wt,
+                const int* __restrict__ input_linear, const int* __restrict__ weight_linear,
+                const float* __restrict__ bias, T* __restrict__ y, int batch, int bpad, int cout,
+                int cpad, int nout, int p64) {
+  constexpr int kThreads = kWarpsM * kWarpsN * kWarp;
+  constexpr int kAPitch = kTileM + kPad, kBPitch = kTileN + kPad;
+  constexpr int kAElems = kTileK * kAPitch, kBElems = kTileK * kBPitch;
+  extern __shared__ __align__(128) unsigned char shared_raw[];
+  const int warp = threadIdx.x / kWarp;
+  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
+  StageBuffers<T, kStages, kAElems, kBElems> smem(shared_raw, warp);
+  WarpTile<T, kTileM, kTileN, kWarpsM, kWarpsN> tile;
+  using Tile = decltype(tile);
+
+  const int node = blockIdx.x;
+  const int o0 = blockIdx.y * kTileN;
+  const int b0 = blockIdx.z * kTileM;
+  const int* in_rows = input_linear + static_cast<size_t>(node) * p64;
+  const int* w_rows = weight_linear + static_cast<size_t>(node) * p64;
+
+  tile.zero();
+  auto load = [&](int k_tile, int stage) {
+    const int k0 = k_tile * kTileK;
+    stage_rows<T, kTileK, kTileM, kAPitch, kThreads, kAsync>(
+        smem.a + stage * kAElems, xt,
+        [&](int r) { return static_cast<long long>(in_rows[k0 + r]) * bpad + b0; });
+    stage_rows<T, kTileK, kTileN, kBPitch, kThreads, kAsync>(
+        smem.b + stage * kBElems, wt,
+        [&](int r) { return static_cast<long long>(w_rows[k0 + r]) * cpad + o0; });
+  };
+  auto compute = [&](int stage) {
+    const T* a = smem.a + stage * kAElems;
+    const T* b = smem.b + stage * kBElems;
+#pragma unroll
+    for (int kk = 0; kk < kTileK; kk += kFrag) {
+      tile.template multiply<wmma::col_major, wmma::row_major>(
+          [&](int i) { return a + kk * kAPitch + (warp_m * Tile::kFragsM + i) * kFrag; },
+          [&](int j) { return b + kk * kBPitch + (warp_n * Tile::kFragsN + j) * kFrag; },
+          kAPitch, kBPitch);
+    }
+  };
+  pipeline<kStages>(0, p64 / kTileK, load, compute);
+
+  const int row0 = b0 + warp_m * Tile::kFragsM * kFrag;
+  const int col0 = o0 + warp_n * Tile::kFragsN * kFrag;
+  tile.template drain<false>(smem.scratch, [&](int r, int c, float value) {
+    const int b = row0 + r, o = col0 + c;
+    if (b < batch && o < cout) {
+      if (bias != nullptr) value += bias[o];
+      y[(static_cast<size_t>(b) * nout + node) * cout + o] = from_float<T>(value);
+    }
+  });
+}
+
+// dxt[in(n,p), b] += sum_o gt[n, o, b] * wt[w(n,p), o]: M = batch, N = slots, K = Cout.
+template <typename T, int kTileM, int kTileN, int kTileK, int kWarpsM, int kWarpsN, int kStages,
+          bool kAsync>
+__global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
+    knn_grad_input(const T* __restrict__ gt, const T* __restrict__ wt,
+                   const int* __restrict__ input_linear, const int* __restrict__ weight_linear,
+                   float* __restrict__ dxt, int batch, int bpad, int cpad, int p64, int pad_row) {
+  constexpr int kThreads = kWarpsM * kWarpsN * kWarp;
+  constexpr int kAPitch = kTileM + kPad, kBPitch = kTileK + kPad;
+  constexpr int kAElems = kTileK * kAPitch, kBElems = kTileN * kBPitch;
+  extern __shared__ __align__(128) unsigned char shared_raw[];
+  const int warp = threadIdx.x / kWarp;
+  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
+  StageBuffers<T, kStages, kAElems, kBElems> smem(shared_raw, warp);
+  WarpTile<T, kTileM, kTileN, kWarpsM, kWarpsN> tile;
+  using Tile = decltype(tile);
+
+  const int node = blockIdx.x;
+  const int p0 = blockIdx.y * kTileN;
+  const int b0 = blockIdx.z * kTileM;
+  const int* in_rows = input_linear + static_cast<size_t>(node) * p64;
+  const int* w_rows = weight_linear + static_cast<size_t>(node) * p64;
+  const T* grad_rows = gt + static_cast<size_t>(node) * cpad * bpad;
+
+  tile.zero();
+  auto load = [&](int k_tile, int stage) {
+    const int k0 = k_tile * kTileK;
+    stage_rows<T, kTileK, kTileM, kAPitch, kThreads, kAsync>(
+        smem.a + stage * kAElems, grad_rows,
+        [&](int r) { return static_cast<long long>(k0 + r) * bpad + b0; });
+    stage_rows<T, kTileN, kTileK, kBPitch, kThreads, kAsync>(
+        smem.b + stage * kBElems, wt,
+        [&](int r) { return static_cast<long long>(w_rows[p0 + r]) * cpad + k0; });
+  };
+  auto compute = [&](int stage) {
+    const T* a = smem.a + stage * kAElems;
+    const T* b = smem.b + stage * kBElems;
+#pragma unroll
+    for (int kk = 0; kk < kTileK; kk += kFrag) {
+      tile.template multiply<wmma::col_major, wmma::col_major>(
+          [&](int i) { return a + kk * kAPitch + (warp_m * Tile::kFragsM + i) * kFrag; },
+          [&](int j) { return b + (warp_n * Tile::kFragsN + j) * kFrag * kBPitch + kk; },
+          kAPitch, kBPitch);
+    }
+  };
+  pipeline<kStages>(0, cpad / kTileK, load, compute);
+
+  const int row0 = b0 + warp_m * Tile::kFragsM * kFrag;
+  const int col0 = p0 + warp_n * Tile::kFragsN * kFrag;
+  tile.template drain<true>(smem.scratch, [&](int r, int c, float value) {
+    const int b = row0 + r;
+    const int row = in_rows[col0 + c];
+    if (b < batch && row != pad_row) atomicAdd(dxt + static_cast<size_t>(row) * bpad + b, value);
+  });
+}
+
+// dwt[w(n,p), o] += sum_b xt[in(n,p), b] * gt[n, o, b]: M = slots, N = Cout, K = batch,
+// the batch split into gridDim.y / p_tiles slices of k_tiles_per_split tiles each.
+template <typename T, int kTileM, int kTileN, int kTileK, int kWarpsM, int kWarpsN, int kStages,
+          bool kAsync>
+__global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
+    knn_grad_weight(const T* __restrict__ xt, const T* __restrict__ gt,
+                    const int* __restrict__ input_linear, const int* __restrict__ weight_linear,
+                    float* __restrict__ dwt, int bpad, int cpad, int p64, int pad_row,
+                    int p_tiles, int k_tiles_per_split) {
+  constexpr int kThreads = kWarpsM * kWarpsN * kWarp;
+  constexpr int kAPitch = kTileK + kPad, kBPitch = kTileK + kPad;
+  constexpr int kAElems = kTileM * kAPitch, kBElems = kTileN * kBPitch;
+  extern __shared__ __align__(128) unsigned char shared_raw[];
+  const int warp = threadIdx.x / kWarp;
+  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
+  StageBuffers<T, kStages, kAElems, kBElems> smem(shared_raw, warp);
+  WarpTile<T, kTileM, kTileN, kWarpsM, kWarpsN> tile;
+  using Tile = decltype(tile);
+
+  const int node = blockIdx.x;
+  const int p0 = (blockIdx.y % p_tiles) * kTileM;
+  const int split = blockIdx.y / p_tiles;
+  const int o0 = blockIdx.z * kTileN;
+  const int first = split * k_tiles_per_split;
+  const int last = min(first + k_tiles_per_split, bpad / kTileK);
+  if (first >= last) return;
+  const int* in_rows = input_linear + static_cast<size_t>(node) * p64;
+  const int* w_rows = weight_linear + static_cast<size_t>(node) * p64;
+  const T* grad_rows = gt + static_cast<size_t>(node) * cpad * bpad;
+
+  tile.zero();
+  auto load = [&](int k_tile, int stage) {
+    const int k0 = k_tile * kTileK;
+    stage_rows<T, kTileM, kTileK, kAPitch, kThreads, kAsync>(
+        smem.a + stage * kAElems, xt,
+        [&](int r) { return static_cast<long long>(in_rows[p0 + r]) * bpad + k0; });
+    stage_rows<T, kTileN, kTileK, kBPitch, kThreads, kAsync>(
+        smem.b + stage * kBElems, grad_rows,
+        [&](int r) { return static_cast<long long>(o0 + r) * bpad + k0; });
+  };
+  auto compute = [&](int stage) {
+    const T* a = smem.a + stage * kAElems;
+    const T* b = smem.b + stage * kBElems;
+#pragma unroll
+    for (int kk = 0; kk < kTileK; kk += kFrag) {
+      tile.template multiply<wmma::row_major, wmma::col_major>(
+          [&](int i) { return a + (warp_m * Tile::kFragsM + i) * kFrag * kAPitch + kk; },
+          [&](int j) { return b + (warp_n * Tile::kFragsN + j) * kFrag * kBPitch + kk; },
+          kAPitch, kBPitch);
+    }
+  };
+  pipeline<kStages>(first, last, load, compute);
+
+  const int row0 = p0 + warp_m * Tile::kFragsM * kFrag;
+  const int col0 = o0 + warp_n * Tile::kFragsN * kFrag;
+  tile.template drain<false>(smem.scratch, [&](int r, int c, float value) {
+    const int p = row0 + r;
+    if (in_rows[p] != pad_row) {
+      atomicAdd(dwt + static_cast<size_t>(w_rows[p]) * cpad + col0 + c, value);
+    }
+  });
+}
+
+}  // namespace knnconv

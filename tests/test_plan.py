@@ -1,0 +1,150 @@
+import numpy as np
+import pytest
+import torch
+
+from knnconv import KNNConvPlan, compact_tables, make_plan
+
+# Cin = 2, Nin = 5, K = 3, Nout = 2, V = 4; entry 5 (= Nin) is the padding neighbour.
+KNN = torch.tensor([[0, 4], [5, 1], [3, 5]])
+RF = torch.tensor([[1, 0, 3], [2, 2, 0]])
+CIN, NIN, V, COUT = 2, 5, 4, 3
+PADDING_SLOT = CIN * NIN
+
+# Slot p = c*K + k: input c*Nin + knn[k, n] (padding -> Cin*Nin), weight c*V + rf[n, k].
+EXPECTED_INPUT = [[0, PADDING_SLOT, 3, 5, PADDING_SLOT, 8],
+                  [4, 1, PADDING_SLOT, 9, 6, PADDING_SLOT]]
+EXPECTED_WEIGHT = [[1, 0, 3, 5, 4, 7],
+                   [2, 2, 0, 6, 6, 4]]
+
+
+def base_arguments():
+    return {"knn_indices": KNN.clone(), "rf_index": RF.clone(), "nin": NIN, "v": V, "cin": CIN,
+            "cout": COUT}
+
+
+def with_entry(table, value):
+    table = table.clone()
+    table[-1, -1] = value
+    return table
+
+
+def test_compact_tables_hand_built_example():
+    input_linear, weight_linear = compact_tables(KNN, RF, CIN, NIN, V)
+
+    assert input_linear.dtype == weight_linear.dtype == torch.int32
+    assert input_linear.shape == weight_linear.shape == (2, 64)
+    assert input_linear[:, :6].tolist() == EXPECTED_INPUT
+    assert weight_linear[:, :6].tolist() == EXPECTED_WEIGHT
+    # Slots past Cin*K only pad the kernel tiles: zero input, weight column 0.
+    assert (input_linear[:, 6:] == PADDING_SLOT).all()
+    assert (weight_linear[:, 6:] == 0).all()
+
+
+def test_plan_tables_match_compact_tables():
+    tables = make_plan(**base_arguments()).on("cpu")
+
+    assert tables.input_linear[:, :6].tolist() == EXPECTED_INPUT
+    assert tables.weight_linear[:, :6].tolist() == EXPECTED_WEIGHT
+    assert tables.knn_indices.dtype == tables.rf_index.dtype == torch.int64
+    assert torch.equal(tables.knn_indices, KNN)
+    assert torch.equal(tables.rf_index, RF)
+
+
+@pytest.mark.parametrize(("cin", "k", "p64"), [(1, 1, 64), (8, 8, 64), (13, 5, 128),
+                                               (3, 49, 192), (64, 9, 576)])
+def test_make_plan_sizes(cin, k, p64):
+    nin, nout, v = 11, 6, 49
+    knn = torch.arange(k * nout).remainder(nin + 1).view(k, nout)
+    rf = torch.arange(nout * k).remainder(v).view(nout, k)
+
+    plan = make_plan(knn, rf, nin=nin, v=v, cin=cin, cout=5)
+
+    assert (plan.cin, plan.cout, plan.nin, plan.nout, plan.k, plan.v) == (cin, 5, nin, nout, k, v)
+    assert (plan.p, plan.p64, plan.q) == (cin * k, p64, cin * v)
+    assert plan.on("cpu").input_linear.shape == (nout, p64)
+    assert plan.padding_fraction == pytest.approx((knn == nin).sum().item() / (k * nout))
+
+
+def test_padding_fraction_and_repr():
+    plan = make_plan(**base_arguments())
+
+    assert plan.padding_fraction == pytest.approx(2 / 6)
+    for text in ("cin=2", "cout=3", "nin=5", "nout=2", "k=3", "v=4", "p64=64"):
+        assert text in repr(plan)
+
+
+def test_tables_are_cached_per_device():
+    plan = make_plan(**base_arguments())
+
+    assert plan.on("cpu") is plan.on(torch.device("cpu"))
+
+
+def test_derived_builds_once_per_key():
+    plan = make_plan(**base_arguments())
+    calls = []
+
+    def build(tables):
+        calls.append(tables)
+        return tables.input_linear.sum()
+
+    first = plan.derived("cpu", "test.sum", build)
+    second = plan.derived("cpu", "test.sum", build)
+    other = plan.derived("cpu", "test.other", lambda tables: "other")
+
+    assert first is second
+    assert calls == [plan.on("cpu")]
+    assert other == "other"
+
+
+def test_numpy_tables_are_accepted():
+    knn = KNN.numpy().astype(np.int32).T.copy().T  # a non-contiguous int32 view
+    plan = make_plan(knn, RF.numpy().astype(np.int16), nin=NIN, v=V, cin=CIN, cout=COUT)
+
+    assert torch.equal(plan.knn_indices, KNN)
+    assert torch.equal(plan.rf_index, RF)
+    assert plan.on("cpu").input_linear[:, :6].tolist() == EXPECTED_INPUT
+
+
+BAD_ARGUMENTS = {
+    "float_knn": ("knn_indices", lambda t: t.float(), TypeError,
+                  "knn_indices must have an integer dtype"),
+    "bool_knn": ("knn_indices", lambda t: t > 0, TypeError,
+                 "knn_indices must have an integer dtype"),
+    "list_knn": ("knn_indices", lambda t: t.tolist(), TypeError,
+                 "knn_indices must be a torch.Tensor or numpy array"),
+    "float_rf": ("rf_index", lambda t: t.double(), TypeError, "rf_index must have an integer dtype"),
+    "knn_1d": ("knn_indices", lambda t: t.flatten(), ValueError, "knn_indices must be 2-D"),
+    "knn_empty": ("knn_indices", lambda t: t[:0], ValueError, "knn_indices must have K >= 1"),
+    "rf_transposed": ("rf_index", lambda t: t.t(), ValueError, "rf_index must have shape"),
+    "knn_negative": ("knn_indices", lambda t: with_entry(t, -1), ValueError,
+                     r"knn_indices entries must lie in \[0, nin\]"),
+    "knn_past_padding": ("knn_indices", lambda t: with_entry(t, NIN + 1), ValueError,
+                         r"knn_indices entries must lie in \[0, nin\]"),
+    "rf_negative": ("rf_index", lambda t: with_entry(t, -1), ValueError,
+                    r"rf_index entries must lie in \[0, v\)"),
+    "rf_equal_v": ("rf_index", lambda t: with_entry(t, V), ValueError,
+                   r"rf_index entries must lie in \[0, v\)"),
+    "float_nin": ("nin", float, TypeError, "nin must be an int"),
+    "str_v": ("v", str, TypeError, "v must be an int"),
+    "bool_cin": ("cin", lambda c: True, TypeError, "cin must be an int"),
+    "zero_cout": ("cout", lambda c: 0, ValueError, "cout must be >= 1"),
+    "negative_v": ("v", lambda v: -V, ValueError, "v must be >= 1"),
+    "int32_overflow": ("cin", lambda c: 2**31 // NIN + 1, ValueError, "must fit in int32"),
+}
+
+
+@pytest.mark.parametrize(("name", "transform", "error", "match"), BAD_ARGUMENTS.values(),
+                         ids=list(BAD_ARGUMENTS))
+def test_make_plan_rejects(name, transform, error, match):
+    arguments = base_arguments()
+    arguments[name] = transform(arguments[name])
+
+    with pytest.raises(error, match=match):
+        make_plan(**arguments)
+
+
+def test_numpy_integer_sizes_are_accepted():
+    plan = KNNConvPlan(KNN, RF, nin=np.int64(NIN), v=np.int32(V), cin=CIN, cout=COUT)
+
+    assert (plan.nin, plan.v) == (NIN, V)
+    assert type(plan.nin) is int
