@@ -1,0 +1,121 @@
+"""Run-time compilation of the .cu kernels through CuPy's NVRTC, and the module cache.
+
+torch is imported before CuPy so that the process binds one NVRTC consistently; CUDA's
+headers (cuda_fp16.h, cuda_bf16.h, mma.h) are located once, with an error that lists every
+place searched when they are missing.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import sys
+import threading
+from functools import lru_cache
+from pathlib import Path
+
+import torch  # noqa: F401  (must be imported before cupy, see module docstring)
+
+from .configs import KernelConfig
+
+KERNEL_DIR = Path(__file__).parent / "kernels"
+KERNEL_SOURCE = KERNEL_DIR / "knn_conv.cu"
+REQUIRED_HEADERS = ("cuda_fp16.h", "cuda_bf16.h", "mma.h")
+SCALAR_TYPES = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
+FAMILY_KERNELS = {
+    "forward": "knnconv::knn_forward",
+    "grad_input": "knnconv::knn_grad_input",
+    "grad_weight": "knnconv::knn_grad_weight",
+}
+MIN_COMPUTE_CAPABILITY = (8, 0)
+
+
+class CudaHeadersNotFound(RuntimeError):
+    pass
+
+
+def import_cupy():
+    """CuPy, or an ImportError that says how to install it."""
+    try:
+        import cupy
+    except ImportError as exc:
+        raise ImportError(
+            "the 'cuda' backend needs CuPy: pip install 'knnconv[cuda13]' (CUDA 13) or "
+            "'knnconv[cuda12]' (CUDA 12)"
+        ) from exc
+    return cupy
+
+
+def _candidate_include_dirs() -> list[Path]:
+    candidates = []
+    for var in ("KNNCONV_CUDA_INCLUDE", "CUDA_PATH", "CUDA_HOME", "CUDA_ROOT"):
+        value = os.environ.get(var)
+        if value:
+            candidates.append(Path(value) if var == "KNNCONV_CUDA_INCLUDE" else Path(value) / "include")
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(Path(nvcc).resolve().parent.parent / "include")
+    candidates.append(Path("/usr/local/cuda/include"))
+    for site in sys.path:
+        for pattern in ("nvidia/cu13/include", "nvidia/cuda_runtime/include", "nvidia/cu12/include"):
+            candidates.extend(Path(p) for p in glob.glob(os.path.join(site, pattern)))
+    return candidates
+
+
+@lru_cache(maxsize=1)
+def cuda_include_dir() -> str:
+    """The first directory holding all of REQUIRED_HEADERS (set KNNCONV_CUDA_INCLUDE to force)."""
+    searched = _candidate_include_dirs()
+    for directory in searched:
+        if all((directory / header).is_file() for header in REQUIRED_HEADERS):
+            return str(directory)
+    listing = "\n  ".join(str(d) for d in searched) or "(no candidates)"
+    raise CudaHeadersNotFound(
+        f"CUDA headers {', '.join(REQUIRED_HEADERS)} not found. Searched:\n  {listing}\n"
+        "Install the CUDA toolkit (or the 'nvidia-cuda-runtime' / 'cuda-toolkit' wheels for your "
+        "CUDA version) and set CUDA_PATH, or point KNNCONV_CUDA_INCLUDE at the include directory."
+    )
+
+
+def kernel_name(family: str, dtype: torch.dtype, cfg: KernelConfig) -> str:
+    """The NVRTC name expression of one instantiation."""
+    return f"{FAMILY_KERNELS[family]}<{SCALAR_TYPES[dtype]}, {cfg.template_args()}>"
+
+
+_modules: dict[tuple, object] = {}
+_lock = threading.Lock()
+
+
+def get_kernel(family: str, dtype: torch.dtype, cfg: KernelConfig, device_index: int):
+    """The compiled kernel for one (family, dtype, config) on one device, built once.
+
+    Compilation is serialised so that threads asking for the same kernel compile it once.
+    """
+    key = (family, dtype, cfg, device_index)
+    function = _modules.get(key)
+    if function is not None:
+        return function
+    cupy = import_cupy()
+    with _lock:
+        function = _modules.get(key)
+        if function is None:
+            name = kernel_name(family, dtype, cfg)
+            with cupy.cuda.Device(device_index):
+                module = cupy.RawModule(
+                    code=KERNEL_SOURCE.read_text(),
+                    options=("--std=c++17", f"-I{KERNEL_DIR}", f"-I{cuda_include_dir()}"),
+                    name_expressions=[name],
+                )
+                function = module.get_function(name)
+            _modules[key] = function
+    return function
+
+
+def compiled_kernel_count() -> int:
+    return len(_modules)
+
+
+def clear_modules() -> None:
+    with _lock:
+        _modules.clear()

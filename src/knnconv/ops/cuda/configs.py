@@ -1,0 +1,148 @@
+"""Tile geometry: KernelConfig, its validation, and the default choices (loaded from tiles.json).
+
+One KernelConfig describes a CTA of every kernel family as an (M, N, K) tile:
+
+=============  ===================  ===================  =====================
+family         M = bm * rb          N = bn               K step = bk
+=============  ===================  ===================  =====================
+forward        batch rows           output channels      slots p
+grad_input     batch rows           slots p              output channels
+grad_weight    slots p              output channels      batch rows
+=============  ===================  ===================  =====================
+
+``rb`` batch sub-tiles of ``bm`` rows share one staged weight tile (the CTA's M extent is
+bm*rb); ``wm`` x ``wn`` warps split the tile, each warp owning (M/wm) x (N/wn) in 16x16
+fragments; ``ksteps`` is the number of shared-memory pipeline stages; ``async_copy`` stages
+with cp.async; ``vec`` is the staging chunk in elements (8: one 16-byte chunk of fp16/bf16).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import lru_cache
+from pathlib import Path
+from typing import NamedTuple
+
+FAMILIES = ("forward", "grad_input", "grad_weight")
+ELEMENT_BYTES = 2
+CHUNK_ELEMENTS = 8
+SHARED_PAD = 8  # must match kPad in kernels/knn_common.cuh
+SLOT_ALIGN = 64
+
+
+class KernelConfig(NamedTuple):
+    bm: int
+    bn: int
+    bk: int
+    rb: int
+    wm: int
+    wn: int
+    ksteps: int
+    async_copy: bool
+    vec: int
+
+    @property
+    def tile_m(self) -> int:
+        return self.bm * self.rb
+
+    @property
+    def threads(self) -> int:
+        return self.wm * self.wn * 32
+
+    def template_args(self) -> str:
+        """The template arguments after the scalar type, as the kernels declare them."""
+        return (f"{self.tile_m}, {self.bn}, {self.bk}, {self.wm}, {self.wn}, {self.ksteps}, "
+                f"{'true' if self.async_copy else 'false'}")
+
+
+def shared_memory_bytes(family: str, cfg: KernelConfig) -> int:
+    """Dynamic shared memory of one CTA: the staged A and B tiles times stages, plus scratch."""
+    m, n, k = cfg.tile_m, cfg.bn, cfg.bk
+    a_rows, a_width, b_rows, b_width = {
+        "forward": (k, m, k, n),
+        "grad_input": (k, m, n, k),
+        "grad_weight": (m, k, n, k),
+    }[family]
+    staged = cfg.ksteps * (a_rows * (a_width + SHARED_PAD) + b_rows * (b_width + SHARED_PAD))
+    return staged * ELEMENT_BYTES + cfg.wm * cfg.wn * 16 * 16 * 4
+
+
+def check_config(family: str, cfg: KernelConfig, *, p64: int | None = None,
+                 max_shared_bytes: int = 227 * 1024) -> KernelConfig:
+    """Raise ValueError unless ``cfg`` is a geometry the ``family`` kernel can run
+    (on P64 slots, when ``p64`` is given)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown kernel family {family!r}; expected one of {FAMILIES}")
+    cfg = KernelConfig(*cfg)
+    problems = []
+    if cfg.vec != CHUNK_ELEMENTS:
+        problems.append(f"vec must be {CHUNK_ELEMENTS} (16-byte chunks of a 2-byte type)")
+    if cfg.bk % 16 or cfg.bk < 16:
+        problems.append("bk must be a positive multiple of 16")
+    if min(cfg.bm, cfg.rb, cfg.wm, cfg.wn, cfg.bn) < 1:
+        problems.append("bm, bn, rb, wm, wn must be >= 1")
+    elif cfg.tile_m % (16 * cfg.wm) or cfg.bn % (16 * cfg.wn):
+        problems.append("bm*rb must be a multiple of 16*wm and bn a multiple of 16*wn")
+    if cfg.ksteps < 2:
+        problems.append("ksteps (pipeline stages) must be >= 2")
+    if cfg.threads > 1024:
+        problems.append("wm*wn*32 threads must not exceed 1024")
+    slot_tile = {"forward": None, "grad_input": cfg.bn, "grad_weight": cfg.tile_m}[family]
+    if slot_tile is not None and p64 is not None and p64 % slot_tile:
+        problems.append(f"the slot tile ({slot_tile}) must divide P64 ({p64})")
+    if not problems and shared_memory_bytes(family, cfg) > max_shared_bytes:
+        problems.append(f"needs {shared_memory_bytes(family, cfg)} B of shared memory, "
+                        f"over the device's {max_shared_bytes} B")
+    if problems:
+        raise ValueError(f"invalid {family} KernelConfig {tuple(cfg)}: " + "; ".join(problems))
+    return cfg
+
+
+@lru_cache(maxsize=None)
+def _rules() -> dict:
+    return json.loads((Path(__file__).with_name("tiles.json")).read_text())
+
+
+def _choose(family: str, batch: int, cout: int, p64: int) -> KernelConfig:
+    for rule in _rules()[family]:
+        if batch > rule.get("max_batch", math.inf) or cout > rule.get("max_cout", math.inf):
+            continue
+        if p64 % rule.get("p64_multiple_of", 1):
+            continue
+        return KernelConfig(*rule["config"])
+    raise LookupError(f"tiles.json has no {family} rule for batch={batch}, cout={cout}")
+
+
+def default_config(batch, cout, p64, dtype=None, nout=None) -> KernelConfig:
+    """Forward geometry: the minimal 16-row tile with synchronous staging for small batches,
+    128 batch rows per CTA (weight-tile reuse) and cp.async for large ones. ``dtype`` and
+    ``nout`` do not change the choice (kept for the seed's signature)."""
+    return _choose("forward", batch, cout, p64)
+
+
+def default_grad_input_config(batch, cout) -> KernelConfig:
+    """grad_input geometry: batch-tiled like the forward, slot tile 64."""
+    return _choose("grad_input", batch, cout, SLOT_ALIGN)
+
+
+def default_grad_weight_config(batch, cout, p64) -> KernelConfig:
+    """grad_weight geometry: slot tile 128 where P64 allows, Cout tile 128 for wide layers."""
+    return _choose("grad_weight", batch, cout, p64)
+
+
+def default_grad_weight_ksplit(cfg, bpad, cpad, p64, nout, device_index=None, *,
+                               multiprocessors: int | None = None) -> int:
+    """Split-K-over-batch factor for grad_weight: enough slices for about two CTAs per SM.
+
+    Small-Nout layers cannot fill the GPU with (node, slot tile, Cout tile) CTAs alone; each
+    slice costs one more fp32 atomic pass over its tile, so no more are made than needed, and
+    never more than there are batch steps.
+    """
+    if multiprocessors is None:
+        import torch
+
+        multiprocessors = torch.cuda.get_device_properties(device_index).multi_processor_count
+    ctas = nout * (p64 // cfg.tile_m) * (cpad // cfg.bn)
+    batch_steps = max(1, bpad // cfg.bk)
+    return max(1, min(batch_steps, math.ceil(2 * multiprocessors / ctas)))

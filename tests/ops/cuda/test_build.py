@@ -1,0 +1,63 @@
+"""Compile every kernel instantiation the default tile rules can pick, with nvcc, for several
+architectures (no GPU needed), and hold the resource report to: no spills, no stack frame."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from knnconv.ops.cuda.build import KERNEL_DIR, KERNEL_SOURCE, kernel_name
+from knnconv.ops.cuda.configs import FAMILIES, KernelConfig, _rules, check_config
+
+ARCHITECTURES = ("sm_80", "sm_90", "sm_120")
+NVCC = shutil.which("nvcc")
+
+
+def default_instantiations() -> list[str]:
+    names = set()
+    for family in FAMILIES:
+        for rule in _rules()[family]:
+            cfg = check_config(family, KernelConfig(*rule["config"]))
+            for dtype in (torch.float16, torch.bfloat16):
+                names.add(kernel_name(family, dtype, cfg))
+    return sorted(names)
+
+
+def test_every_tile_rule_is_a_valid_config():
+    assert len(default_instantiations()) >= 2 * len(FAMILIES)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on the PATH")
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_default_instantiations_compile_without_spills(arch, tmp_path):
+    names = default_instantiations()
+    # Taking each kernel's address instantiates exactly the NVRTC name expressions.
+    unit = tmp_path / "instantiate.cu"
+    unit.write_text(
+        f'#include "{KERNEL_SOURCE.name}"\n'
+        + "void* knnconv_kernels[] = {\n"
+        + "".join(f"    reinterpret_cast<void*>(&{name}),\n" for name in names)
+        + "};\n"
+    )
+    result = subprocess.run(
+        [NVCC, "-std=c++17", f"-I{KERNEL_DIR}", f"-arch={arch}", "-cubin", "--resource-usage",
+         "-o", str(tmp_path / "kernels.cubin"), str(unit)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    report = result.stdout + result.stderr
+    (tmp_path / "resource-usage.txt").write_text(report)
+    compiled = re.findall(r"Compiling entry function '(\w+)'", report)
+    assert len(compiled) == len(names), report
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
+                        report)
+    registers = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
+    assert len(frames) == len(names) and len(registers) == len(names)
+    spilling = [(fn, f) for fn, f in zip(compiled, frames, strict=True) if any(map(int, f))]
+    assert not spilling, f"{arch}: kernels with stack frame or spills: {spilling}"
+    assert max(registers) <= 255
+    print(f"{arch}: {len(names)} kernels, registers {min(registers)}-{max(registers)}, no spills")

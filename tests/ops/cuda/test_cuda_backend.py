@@ -1,0 +1,196 @@
+"""The native CUDA backend against the float64 reference, on a GPU (marker: gpu).
+
+Every launch's output is compared with the reference computed in float64 from the same
+(rounded) inputs; forward outputs are NaN-poisoned before the kernel runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import knnconv
+from knnconv.ops.cuda import configs
+from tests.conftest import EDGE_GEOMETRIES, random_geometry, rel_err
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+cupy = pytest.importorskip("cupy")
+
+from knnconv.ops import cuda as knn_cuda  # noqa: E402
+
+DTYPES = (torch.float16, torch.bfloat16)
+FORWARD_TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+GRAD_TOLERANCE = 1e-3  # fp32 accumulation of exactly representable products
+DEVICE = torch.device("cuda")
+
+
+def make_case(seed, *, batch, cin, cout, dtype, **geometry_knobs):
+    generator = torch.Generator().manual_seed(seed)
+    geometry = random_geometry(generator, **geometry_knobs)
+    plan = geometry.plan(cin=cin, cout=cout)
+
+    def normal(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype).to(DEVICE)
+
+    x, weight, bias = normal(batch, cin, plan.nin), normal(cout, plan.q), normal(cout)
+    grad_y = normal(batch, cout, plan.nout)
+    return plan, x, weight, bias, grad_y
+
+
+def reference(plan, x, weight, bias, grad_y):
+    """y, dx, dW in float64 through the reference backend (itself checked against an oracle)."""
+    ops = knnconv.get_ops("reference")
+    x64, w64, b64, g64 = (t.double() for t in (x, weight, bias, grad_y))
+    y = ops.forward(plan, x64, w64, b64)
+    dx, dw = ops.backward_combined(plan, g64, x64, w64)
+    return y, dx, dw
+
+
+def check_all_entries(plan, x, weight, bias, grad_y, *, forward_cfg=None, input_cfg=None,
+                      weight_cfg=None, ksplit=None):
+    tables = plan.on(DEVICE)
+    il, wl = tables.input_linear, tables.weight_linear
+    y_ref, dx_ref, dw_ref = reference(plan, x, weight, bias, grad_y)
+    y = knn_cuda.forward(x, weight, bias, il, wl, forward_cfg, poison_output=True)
+    dx = knn_cuda.grad_input(grad_y, weight, il, wl, plan.cin, plan.nin, input_cfg)
+    dw = knn_cuda.grad_weight(grad_y, x, il, wl, plan.q, weight_cfg, ksplit)
+    dx2, dw2 = knn_cuda.backward_combined(grad_y, x, weight, il, wl, plan.cin, plan.nin, plan.q,
+                                          input_cfg, weight_cfg, ksplit)
+    tol = FORWARD_TOLERANCE[x.dtype]
+    assert y.shape == (x.shape[0], plan.cout, plan.nout) and y.dtype == x.dtype
+    assert not torch.isnan(y).any(), "unwritten (poisoned) forward outputs"
+    assert rel_err(y, y_ref) < tol
+    for value, expected in ((dx, dx_ref), (dx2, dx_ref), (dw, dw_ref), (dw2, dw_ref)):
+        assert value.dtype == torch.float32
+        assert torch.isfinite(value).all()
+        assert rel_err(value, expected) < GRAD_TOLERANCE
+
+
+SIZES = list(itertools.product((1, 15, 17, 129, 513), (1, 63, 65, 130)))
+SLOT_COUNTS = ((3, 9), (20, 9), (64, 9), (7, 25))  # (Cin, K): P64 = 64, 192, 576, 192
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch,cout", SIZES)
+def test_entries_match_reference_over_sizes(dtype, batch, cout):
+    cin, k = SLOT_COUNTS[(batch + cout) % len(SLOT_COUNTS)]
+    case = make_case(batch * 1000 + cout, batch=batch, cin=cin, cout=cout, dtype=dtype,
+                     nin=40, nout=23, k=k, padding=0.15)
+    check_all_entries(*case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("knobs", list(EDGE_GEOMETRIES.values()), ids=list(EDGE_GEOMETRIES))
+@pytest.mark.parametrize("batch", (1, 17, 129))
+def test_entries_match_reference_on_edge_geometries(dtype, knobs, batch):
+    case = make_case(batch + len(str(knobs)), batch=batch, cin=5, cout=33, dtype=dtype, **knobs)
+    check_all_entries(*case)
+
+
+EXPLICIT = {
+    "forward": [configs.KernelConfig(16, 32, 16, 2, 2, 1, 3, True, 8),
+                configs.KernelConfig(32, 64, 64, 1, 2, 2, 2, False, 8)],
+    "grad_input": [configs.KernelConfig(32, 32, 64, 1, 2, 2, 3, True, 8),
+                   configs.KernelConfig(16, 16, 16, 1, 1, 1, 2, False, 8)],
+    "grad_weight": [configs.KernelConfig(32, 32, 64, 1, 2, 2, 3, True, 8),
+                    configs.KernelConfig(16, 64, 16, 1, 1, 2, 2, False, 8)],
+}
+
+
+def every_config(family):
+    rules = [configs.KernelConfig(*rule["config"]) for rule in configs._rules()[family]]
+    return rules + EXPLICIT[family]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("family", configs.FAMILIES)
+def test_every_config_matches_reference(dtype, family):
+    for index, cfg in enumerate(every_config(family)):
+        case = make_case(index, batch=70, cin=12, cout=70, dtype=dtype, nin=50, nout=9, k=11,
+                         padding=0.2, collisions=True, v=16)
+        plan = case[0]
+        if family != "forward" and plan.p64 % (cfg.bn if family == "grad_input" else cfg.tile_m):
+            continue
+        chosen = {"forward": "forward_cfg", "grad_input": "input_cfg",
+                  "grad_weight": "weight_cfg"}[family]
+        check_all_entries(*case, **{chosen: cfg})
+
+
+@pytest.mark.parametrize("ksplit", (1, 2, 3, 100))
+def test_grad_weight_split_k_matches_reference(ksplit):
+    check_all_entries(*make_case(ksplit, batch=200, cin=8, cout=64, dtype=torch.float16, nin=30,
+                                 nout=5, k=9, padding=0.1), ksplit=ksplit)
+
+
+def test_auto_policy_and_visible_backend():
+    geometry = random_geometry(torch.Generator().manual_seed(1), nin=20, nout=6, k=5)
+    conv = knnconv.KNNConv(4, 8, geometry.knn_indices, geometry.rf_index, nin=20,
+                           v=geometry.v).to(DEVICE)
+    x = torch.randn(3, 4, 20, device=DEVICE)
+    conv.half()(x.half())
+    assert conv.last_backend == "cuda"
+    conv.float()(x)
+    assert conv.last_backend == "torch_compact"
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = conv(x)
+    assert conv.last_backend == "cuda" and y.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="float16/bfloat16"):
+        knnconv.knn_conv(x, conv.weight, conv.bias, conv.plan, backend="cuda")
+
+
+def test_autograd_under_autocast_matches_reference_and_keeps_fp32_grads():
+    plan, x, weight, bias, grad_y = make_case(5, batch=33, cin=6, cout=20, dtype=torch.float32,
+                                              nin=60, nout=25, k=9, padding=0.1)
+    leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+    with torch.autocast("cuda", dtype=torch.float16):
+        y, ran = knnconv.knn_conv_with_backend(*leaves, plan, backend="auto")
+    assert ran == "cuda" and y.dtype == torch.float16
+    y.backward(grad_y.half())
+    y_ref, dx_ref, dw_ref = reference(plan, *(t.half() for t in (x, weight, bias, grad_y)))
+    assert rel_err(y, y_ref) < FORWARD_TOLERANCE[torch.float16]
+    for leaf, expected in zip(leaves[:2], (dx_ref, dw_ref), strict=True):
+        assert leaf.grad.dtype == torch.float32
+        assert rel_err(leaf.grad, expected) < GRAD_TOLERANCE
+    assert rel_err(leaves[2].grad, grad_y.half().double().sum((0, 2))) < GRAD_TOLERANCE
+
+
+def test_small_network_trains_under_amp_like_reference():
+    generator = torch.Generator().manual_seed(7)
+    first = random_geometry(generator, nin=200, nout=60, k=9, padding=0.05)
+    second = random_geometry(generator, nin=60, nout=16, k=9, padding=0.05)
+    images = torch.randn(256, 3, 200, generator=generator)
+    labels = (images[:, 0, :100].sum(1) > images[:, 1, 100:].sum(1)).long()
+
+    def train(backend):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            knnconv.KNNConv(3, 16, first.knn_indices, first.rf_index, nin=200, v=9, backend=backend),
+            torch.nn.ReLU(),
+            knnconv.KNNConv(16, 32, second.knn_indices, second.rf_index, nin=60, v=9,
+                            backend=backend),
+            torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(32 * 16, 2),
+        ).to(DEVICE)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        scaler = torch.amp.GradScaler("cuda")
+        losses = []
+        for step in range(60):
+            batch = slice((step * 64) % 256, (step * 64) % 256 + 64)
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = torch.nn.functional.cross_entropy(model(images[batch].to(DEVICE)),
+                                                         labels[batch].to(DEVICE))
+            optimizer.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            losses.append(loss.item())
+        return losses
+
+    cuda_losses, reference_losses = train("cuda"), train("reference")
+    assert sum(cuda_losses[-10:]) < 0.6 * sum(cuda_losses[:10])
+    assert abs(sum(cuda_losses[-10:]) - sum(reference_losses[-10:])) < 0.1 * sum(
+        reference_losses[-10:]) + 0.05
