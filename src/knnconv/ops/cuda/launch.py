@@ -30,6 +30,16 @@ _external_streams: dict[tuple[int, int], object] = {}
 _raised_shared_limits: set[int] = set()
 
 
+class _StreamHandle:
+    """A raw stream handle in the CUDA stream protocol, for cupy.cuda.Stream.from_external."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return 0, self.handle
+
+
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -50,7 +60,9 @@ def _launch(family: str, cfg: KernelConfig, dtype: torch.dtype, device: torch.de
     handle = torch.cuda.current_stream(device).cuda_stream
     stream = _external_streams.get((index, handle))
     if stream is None:
-        stream = cupy.cuda.ExternalStream(handle, index)
+        from_external = getattr(cupy.cuda.Stream, "from_external", None)
+        stream = (from_external(_StreamHandle(handle)) if from_external is not None
+                  else cupy.cuda.ExternalStream(handle, index))
         _external_streams[(index, handle)] = stream
     with cupy.cuda.Device(index):
         function(grid, (cfg.threads, 1, 1), args, shared_mem=shared, stream=stream)
