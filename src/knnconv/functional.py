@@ -19,7 +19,9 @@ def _check_tensor(name: str, value, *, floating: bool = True) -> torch.Tensor:
 def validate_call(x, weight, bias, plan) -> None:
     """Raise TypeError/ValueError naming the offending argument before any compute."""
     if not isinstance(plan, KNNConvPlan):
-        raise TypeError(f"plan must be a KNNConvPlan (see knnconv.make_plan), got {type(plan).__name__}")
+        raise TypeError(
+            f"plan must be a KNNConvPlan (see knnconv.make_plan), got {type(plan).__name__}"
+        )
     _check_tensor("x", x)
     _check_tensor("weight", weight)
     if x.dim() != 3:
@@ -31,14 +33,17 @@ def validate_call(x, weight, bias, plan) -> None:
         )
     if tuple(weight.shape) != (plan.cout, plan.q):
         raise ValueError(
-            f"weight must have shape [Cout, Cin*V] = [{plan.cout}, {plan.q}], got {tuple(weight.shape)}"
+            f"weight must have shape [Cout, Cin*V] = [{plan.cout}, {plan.q}], "
+            f"got {tuple(weight.shape)}"
         )
     if weight.device != x.device:
         raise ValueError(f"weight is on {weight.device} but x is on {x.device}")
     if bias is not None:
         _check_tensor("bias", bias)
         if tuple(bias.shape) != (plan.cout,):
-            raise ValueError(f"bias must have shape [Cout] = [{plan.cout}], got {tuple(bias.shape)}")
+            raise ValueError(
+                f"bias must have shape [Cout] = [{plan.cout}], got {tuple(bias.shape)}"
+            )
         if bias.device != x.device:
             raise ValueError(f"bias is on {bias.device} but x is on {x.device}")
 
@@ -106,7 +111,7 @@ class KNNConvFunction(torch.autograd.Function):
 
 def knn_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: KNNConvPlan,
              backend: str = "auto") -> torch.Tensor:
-    """KNN convolution y[b, o, n] = bias[o] + sum_{c,k} x[b, c, knn[k, n]] * weight[o, c*V + rf[n, k]].
+    """KNN convolution: y[b, o, n] = bias[o] + sum_{c,k} x[b, c, knn[k, n]] * W[o, c*V + rf[n, k]].
 
     x: [B, Cin, Nin]; weight: [Cout, Cin*V]; bias: [Cout] or None; returns [B, Cout, Nout]
     (a transposed view of a [B, Nout, Cout] buffer). Differentiable in x, weight and bias.

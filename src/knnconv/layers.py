@@ -35,7 +35,7 @@ class KNNConv(nn.Module):
     @classmethod
     def from_coords(cls, in_channels: int, out_channels: int, in_coords, out_coords, k: int, *,
                     ref_side: int | None = None, bias: bool = True,
-                    backend: str = "auto") -> "KNNConv":
+                    backend: str = "auto") -> KNNConv:
         """Build the layer from 2-D input and output coordinates (see knnconv.geometry)."""
         from .geometry import knn_geometry
 
@@ -58,7 +58,7 @@ class KNNConv(nn.Module):
         return side
 
     @torch.no_grad()
-    def load_conv2d_weights(self, conv2d: nn.Conv2d) -> "KNNConv":
+    def load_conv2d_weights(self, conv2d: nn.Conv2d) -> KNNConv:
         """Copy a Conv2d's kernel, resampled onto the side×side reference grid.
 
         Grid row i / column j covers the same fraction of the kernel's extent as the conv's

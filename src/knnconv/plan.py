@@ -10,8 +10,9 @@ backend derives (launch buffers, reverse maps) are built once per device through
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,7 +58,9 @@ def _check_tables(knn_indices: torch.Tensor, rf_index: torch.Tensor, nin: int, v
         )
     rmin, rmax = int(rf_index.min()), int(rf_index.max())
     if rmin < 0 or rmax >= v:
-        raise ValueError(f"rf_index entries must lie in [0, v) = [0, {v}), got range [{rmin}, {rmax}]")
+        raise ValueError(
+            f"rf_index entries must lie in [0, v) = [0, {v}), got range [{rmin}, {rmax}]"
+        )
 
 
 def compact_tables(
@@ -148,7 +151,8 @@ class KNNConvPlan:
                     self._per_device[device] = tables
         return tables
 
-    def derived(self, device: torch.device | str, key: str, build: Callable[[DeviceTables], Any]) -> Any:
+    def derived(self, device: torch.device | str, key: str,
+                build: Callable[[DeviceTables], Any]) -> Any:
         """A table derived from this plan on ``device``, built once by ``build(tables)``."""
         tables = self.on(device)
         value = tables.derived.get(key)

@@ -1,7 +1,7 @@
 import pytest
 import torch
-from conftest import oracle_knn_conv, random_inputs, rel_err
 
+from conftest import Geometry, oracle_knn_conv, random_inputs, rel_err
 from knnconv import get_ops
 
 REFERENCE = get_ops("reference")
@@ -44,8 +44,6 @@ def test_gradients_match_oracle(edge_geometry, rng):
 
 def test_padding_neighbour_reads_zero(rng):
     """A node whose every neighbour is padding outputs exactly its bias."""
-    from conftest import Geometry
-
     geometry = Geometry(torch.tensor([[4, 0], [4, 4]]), torch.tensor([[0, 1], [1, 0]]), nin=4, v=2)
     plan = geometry.plan(cin=2, cout=3)
     x, weight, b, _ = random_inputs(rng, plan, batch=2)

@@ -34,12 +34,12 @@ class ReferenceOps(KNNConvOps):
             x = x.detach().requires_grad_(wanted[0])
             weight = weight.detach().requires_grad_(wanted[1])
             y = self.forward(plan, x, weight, None)
-            inputs = [t for t, w in zip((x, weight), wanted) if w]
+            inputs = [t for t, w in zip((x, weight), wanted, strict=True) if w]
             grads = torch.autograd.grad(y, inputs, grad_y.to(y.dtype))
         return [g.to(_accumulation_dtype(g.dtype)) for g in grads]
 
     def grad_input(self, plan, grad_y, weight):
-        x = torch.zeros(grad_y.shape[0], plan.cin, plan.nin, dtype=weight.dtype, device=weight.device)
+        x = weight.new_zeros(grad_y.shape[0], plan.cin, plan.nin)
         return self._gradients(plan, grad_y, x, weight, (True, False))[0]
 
     def grad_weight(self, plan, grad_y, x):

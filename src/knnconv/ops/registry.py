@@ -7,7 +7,7 @@ to the dtypes of the tensors they belong to, so fp32 master weights get fp32 gra
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -29,7 +29,8 @@ class KNNConvOps:
         """y [B, Cout, Nout] in x's dtype."""
         raise NotImplementedError
 
-    def grad_input(self, plan: KNNConvPlan, grad_y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def grad_input(self, plan: KNNConvPlan, grad_y: torch.Tensor,
+                   weight: torch.Tensor) -> torch.Tensor:
         """dL/dx [B, Cin, Nin], accumulated in at least float32."""
         raise NotImplementedError
 
@@ -80,7 +81,9 @@ def get_ops(name: str) -> KNNConvOps:
     if ops is None and name in _LAZY:
         ops = register_ops(_LAZY[name](), replace=True)
     if ops is None:
-        raise ValueError(f"unknown backend {name!r}; choose 'auto' or one of {available_backends()}")
+        raise ValueError(
+            f"unknown backend {name!r}; choose 'auto' or one of {available_backends()}"
+        )
     return ops
 
 

@@ -53,8 +53,9 @@ def test_default_instantiations_compile_without_spills(arch, tmp_path):
     (tmp_path / "resource-usage.txt").write_text(report)
     compiled = re.findall(r"Compiling entry function '(\w+)'", report)
     assert len(compiled) == len(names), report
-    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
-                        report)
+    frames = re.findall(
+        r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report
+    )
     registers = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
     assert len(frames) == len(names) and len(registers) == len(names)
     spilling = [(fn, f) for fn, f in zip(compiled, frames, strict=True) if any(map(int, f))]

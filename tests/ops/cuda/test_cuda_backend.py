@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import knnconv
+from conftest import EDGE_GEOMETRIES, random_geometry, rel_err
 from knnconv.ops.cuda import configs
-from tests.conftest import EDGE_GEOMETRIES, random_geometry, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -169,7 +169,8 @@ def test_small_network_trains_under_amp_like_reference():
     def train(backend):
         torch.manual_seed(0)
         model = torch.nn.Sequential(
-            knnconv.KNNConv(3, 16, first.knn_indices, first.rf_index, nin=200, v=9, backend=backend),
+            knnconv.KNNConv(3, 16, first.knn_indices, first.rf_index, nin=200, v=9,
+                            backend=backend),
             torch.nn.ReLU(),
             knnconv.KNNConv(16, 32, second.knn_indices, second.rf_index, nin=60, v=9,
                             backend=backend),

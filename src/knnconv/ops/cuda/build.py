@@ -52,13 +52,15 @@ def _candidate_include_dirs() -> list[Path]:
     for var in ("KNNCONV_CUDA_INCLUDE", "CUDA_PATH", "CUDA_HOME", "CUDA_ROOT"):
         value = os.environ.get(var)
         if value:
-            candidates.append(Path(value) if var == "KNNCONV_CUDA_INCLUDE" else Path(value) / "include")
+            forced = var == "KNNCONV_CUDA_INCLUDE"
+            candidates.append(Path(value) if forced else Path(value) / "include")
     nvcc = shutil.which("nvcc")
     if nvcc:
         candidates.append(Path(nvcc).resolve().parent.parent / "include")
     candidates.append(Path("/usr/local/cuda/include"))
     for site in sys.path:
-        for pattern in ("nvidia/cu13/include", "nvidia/cuda_runtime/include", "nvidia/cu12/include"):
+        for pattern in ("nvidia/cu13/include", "nvidia/cuda_runtime/include",
+                        "nvidia/cu12/include"):
             candidates.extend(Path(p) for p in glob.glob(os.path.join(site, pattern)))
     return candidates
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import NamedTuple
 
@@ -99,7 +99,7 @@ def check_config(family: str, cfg: KernelConfig, *, p64: int | None = None,
     return cfg
 
 
-@lru_cache(maxsize=None)
+@cache
 def _rules() -> dict:
     return json.loads((Path(__file__).with_name("tiles.json")).read_text())
 

@@ -135,7 +135,8 @@ def forward(x, weight, bias, input_linear, weight_linear, config=None, *, poison
     batch, _, _ = x.shape
     cout = weight.shape[0]
     nout, p64 = input_linear.shape
-    cfg = check_config("forward", config or default_config(batch, cout, p64, x.dtype, nout), p64=p64)
+    cfg = check_config("forward", config or default_config(batch, cout, p64, x.dtype, nout),
+                       p64=p64)
     bpad, cpad = _round_up(batch, cfg.tile_m), _round_up(cout, cfg.bn)
     xt = transposed_input(x.contiguous(), bpad)
     wt = transposed_weight(weight, cpad, x.dtype)

@@ -1,0 +1,680 @@
+"""Benchmark the backends on real layer geometries, against a roofline floor and the anchor.
+
+``knnconv bench`` (also ``python -m knnconv.bench``) times every layer x batch x dtype x
+backend x mode (forward, train) cell as a user sees it, host overhead included; puts each time
+against a roofline floor built from ceilings measured in the same run, and against the anchor
+(fovi's knn_cuda, as measured in bench/anchors.json); and writes <name>.json, <name>.csv and
+<name>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import platform
+import re
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .functional import knn_conv_with_backend
+from .geometry import foveated_stack, knn_geometry
+from .ops import available_backends, get_ops
+from .plan import KNNConvPlan, make_plan
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+MODES = ("forward", "train")
+DEFAULT_BATCHES = (128, 512, 2048)
+# Present only in a source checkout (src/knnconv/bench.py -> <repo>/bench/anchors.json).
+REPO_ANCHORS = Path(__file__).resolve().parents[2] / "bench" / "anchors.json"
+# The anchor was measured in fp16: its times only compare with fp16 cells.
+ANCHOR_DTYPE = "float16"
+
+# Roofline: operands count 2 bytes per element whatever the dtype, as the anchor's floor did,
+# so floors compare across dtypes and with the anchor table.
+FLOOR_ELEMENT_BYTES = 2
+TABLE_ELEMENT_BYTES = 4  # input_linear and weight_linear are int32 [Nout, P64]
+TRAIN_FLOOR_FACTOR = 3  # forward + grad-input + grad-weight, each at least a forward's cost
+COPY_CEILING_BYTES = 2 * 2**30
+MATMUL_CEILING_N = 8192
+CEILING_WARMUP, CEILING_REPEATS = 3, 10
+
+# (name, input level, output level, K, Cin, Cout) on foveated_stack(levels=6): an AlexNet-like
+# and a ResNet-18-like stack with the channel counts and kernel sizes of the published models.
+BUILTIN_LAYERS = (
+    ("builtin-alexnet:layers.0.conv", 0, 1, 121, 3, 96),
+    ("builtin-alexnet:layers.1.conv", 2, 2, 25, 96, 256),
+    ("builtin-alexnet:layers.2.conv", 3, 3, 9, 256, 384),
+    ("builtin-alexnet:layers.3.conv", 3, 3, 9, 384, 384),
+    ("builtin-alexnet:layers.4.conv", 3, 3, 9, 384, 256),
+    ("builtin-resnet:conv1", 0, 1, 49, 3, 64),
+    ("builtin-resnet:layer1.0.conv1", 2, 2, 9, 64, 64),
+    ("builtin-resnet:layer2.0.conv1", 2, 3, 9, 64, 128),
+    ("builtin-resnet:layer3.0.conv1", 3, 4, 9, 128, 256),
+    ("builtin-resnet:layer4.0.conv1", 4, 5, 9, 256, 512),
+)
+BUILTIN_LEVELS = 6
+
+ROW_FIELDS = (
+    "layer", "batch", "dtype", "backend", "mode", "status", "backend_ran", "median_ms",
+    "floor_ms", "pct_of_floor", "anchor_ms", "speedup_vs_anchor", "rel_err", "cin", "cout", "k",
+    "v", "nin", "nout", "p64", "padding_fraction", "note",
+)
+
+
+@dataclass(frozen=True)
+class BenchLayer:
+    """One convolution layer to time: its name, raw neighbour tables and channel counts."""
+
+    name: str
+    knn_indices: torch.Tensor  # integer [K, Nout]; Nin marks the padding neighbour
+    rf_index: torch.Tensor  # integer [Nout, K]
+    nin: int
+    v: int
+    cin: int
+    cout: int
+
+    def plan(self) -> KNNConvPlan:
+        return make_plan(self.knn_indices, self.rf_index, nin=self.nin, v=self.v, cin=self.cin,
+                         cout=self.cout)
+
+
+@dataclass
+class CellInputs:
+    """Random operands of one (layer, batch, dtype), shared by every backend and mode."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor
+    grad_y: torch.Tensor
+
+    def clear_grads(self) -> None:
+        for leaf in (self.x, self.weight, self.bias):
+            leaf.grad = None
+
+
+def layer_name(model: str, layer: str) -> str:
+    """``model:layer`` without the ``backbone.`` wrapper prefix, as the anchor table names it.
+
+    Only ``backbone.`` goes: the anchor table keeps ``embeddings.patch_embeddings`` whole.
+    """
+    return f"{model}:{layer.removeprefix('backbone.')}"
+
+
+def _selected(name: str, filters: list[str] | None) -> bool:
+    return not filters or any(part in name for part in filters)
+
+
+def load_geometry_dir(directory: Path, filters: list[str] | None = None) -> list[BenchLayer]:
+    """The conv layers of a geometry set (index.json + one npz per distinct table pair).
+
+    Pooling entries and entries without tables are skipped; ``filters`` keeps the layers whose
+    name contains any of its substrings. Of the kept entries, one that repeats an earlier one's
+    tables and channel counts is skipped too: it would time the same (the anchor table lists
+    only the first of each).
+    """
+    index = json.loads((directory / "index.json").read_text())
+    layers = []
+    seen = set()
+    for entry in index["layers"]:
+        if entry.get("kind") != "conv" or not entry.get("npz"):
+            continue
+        name = layer_name(entry["model"], entry["layer"])
+        cell = (entry["npz"], entry["Cin"], entry["Cout"])
+        if not _selected(name, filters) or cell in seen:
+            continue
+        seen.add(cell)
+        with np.load(directory / entry["npz"]) as tables:
+            knn_indices = torch.from_numpy(tables["knn_indices_pad_token"])
+            rf_index = torch.from_numpy(tables["rf_index"])
+            nin, v = int(tables["nin"]), int(tables["v"])
+        found = (*knn_indices.shape, nin, v)
+        listed = (entry["K"], entry["Nout"], entry["Nin"], entry["V"])
+        if found != listed:
+            raise ValueError(f"{name}: index.json lists (K, Nout, Nin, V) = {listed} but "
+                             f"{entry['npz']} holds {found}")
+        layers.append(BenchLayer(name, knn_indices, rf_index, nin, v, entry["Cin"],
+                                 entry["Cout"]))
+    return layers
+
+
+def builtin_layers(filters: list[str] | None = None) -> list[BenchLayer]:
+    """The built-in AlexNet-like and ResNet-like layers on a synthetic foveated stack."""
+    chosen = [spec for spec in BUILTIN_LAYERS if _selected(spec[0], filters)]
+    if not chosen:
+        return []
+    stack = foveated_stack(levels=BUILTIN_LEVELS)
+    layers = []
+    for name, level_in, level_out, k, cin, cout in chosen:
+        knn_indices, rf_index, v = knn_geometry(stack[level_in], stack[level_out], k)
+        layers.append(BenchLayer(name, knn_indices, rf_index, len(stack[level_in]), v, cin, cout))
+    return layers
+
+
+def load_anchors(path: Path) -> dict[tuple[str, int, str], float]:
+    """The anchor's fp16 times by (layer, batch, mode), from a bench/anchors.json list."""
+    anchors = {}
+    for entry in json.loads(path.read_text()):
+        for mode, key in (("forward", "anchor_fwd_ms"), ("train", "anchor_train_ms")):
+            anchors[(entry["layer"], int(entry["batch"]), mode)] = float(entry[key])
+    return anchors
+
+
+def time_calls(call: Callable[[], Any], device: torch.device, *, warmup: int, repeats: int,
+               reset: Callable[[], None] | None = None) -> tuple[float, Any]:
+    """Median time in ms of ``repeats`` calls after ``warmup`` calls, and the last call's result.
+
+    On CUDA each call is bracketed by events recorded on the current stream around the Python
+    call, so host overhead counts as a user sees it. ``reset`` runs before every call, outside
+    the timed region.
+    """
+    for _ in range(warmup):
+        if reset is not None:
+            reset()
+        call()
+    result = None
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(repeats)]
+        torch.cuda.synchronize(device)  # the warm-up's queued work must not leak into call 1
+        for start, end in events:
+            if reset is not None:
+                reset()
+            start.record()
+            result = call()
+            end.record()
+        torch.cuda.synchronize(device)
+        times = [start.elapsed_time(end) for start, end in events]
+    else:
+        times = []
+        for _ in range(repeats):
+            if reset is not None:
+                reset()
+            begin = time.perf_counter()
+            result = call()
+            times.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(times), result
+
+
+def _copy_ms(device: torch.device) -> float:
+    src = torch.randn(COPY_CEILING_BYTES // 2, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    return time_calls(lambda: dst.copy_(src), device, warmup=CEILING_WARMUP,
+                      repeats=CEILING_REPEATS)[0]
+
+
+def _matmul_ms(device: torch.device) -> float:
+    n = MATMUL_CEILING_N
+    a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=device) for _ in range(2))
+    product = torch.empty_like(a)
+    return time_calls(lambda: torch.matmul(a, b, out=product), device, warmup=CEILING_WARMUP,
+                      repeats=CEILING_REPEATS)[0]
+
+
+def measure_ceilings(device: torch.device) -> dict[str, Any]:
+    """Device-copy bandwidth (GB/s, read + write) and dense bf16 matmul rate (TFLOP/s).
+
+    Measured only on CUDA; elsewhere both are None and so are the floors built on them.
+    """
+    if device.type != "cuda":
+        return {"copy_gbps": None, "matmul_tflops": None}
+    copy_ms = _copy_ms(device)
+    matmul_ms = _matmul_ms(device)
+    release_memory(device)  # hand the ceiling buffers back before the cells allocate
+    return {
+        "copy_gbps": 2 * COPY_CEILING_BYTES / copy_ms / 1e6,
+        "matmul_tflops": 2 * MATMUL_CEILING_N**3 / matmul_ms / 1e9,
+        "copy_bytes": COPY_CEILING_BYTES,
+        "matmul_n": MATMUL_CEILING_N,
+    }
+
+
+def forward_floor_ms(plan, batch: int, ceilings: dict[str, Any]) -> float | None:
+    """max(FLOPs / matmul ceiling, minimum bytes / copy ceiling) of one forward, in ms.
+
+    ``plan`` needs cin, cout, k, v, nin, nout and p64. The FLOPs contract over Cin*K slots (not
+    the P64 alignment slack); the minimum bytes are x, weight and y once each plus the two int32
+    tables.
+    """
+    if ceilings["matmul_tflops"] is None:
+        return None
+    flops = 2 * batch * plan.nout * plan.cin * plan.k * plan.cout
+    elements = batch * plan.cin * plan.nin + plan.cout * plan.cin * plan.v
+    elements += batch * plan.cout * plan.nout
+    nbytes = FLOOR_ELEMENT_BYTES * elements + 2 * TABLE_ELEMENT_BYTES * plan.nout * plan.p64
+    return max(flops / ceilings["matmul_tflops"] / 1e9, nbytes / ceilings["copy_gbps"] / 1e6)
+
+
+def random_inputs(plan: KNNConvPlan, batch: int, dtype: torch.dtype,
+                  device: torch.device) -> CellInputs:
+    """Normal x, bias and grad_y, and a weight scaled by 1/sqrt(Cin*K) so y stays O(1)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, dtype=dtype, device=device)
+
+    weight = normal(plan.cout, plan.q) / math.sqrt(plan.cin * plan.k)
+    return CellInputs(
+        x=normal(batch, plan.cin, plan.nin).requires_grad_(),
+        weight=weight.requires_grad_(),
+        bias=normal(plan.cout).requires_grad_(),
+        grad_y=normal(batch, plan.cout, plan.nout),
+    )
+
+
+def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    """||value - reference|| / ||reference||, in float64."""
+    return ((value.double() - reference).norm() / reference.norm()).item()
+
+
+def unsupported_reason(backend: str, plan: KNNConvPlan, device: torch.device,
+                       dtype: torch.dtype) -> str | None:
+    """Why ``backend`` cannot serve this cell, or None ('auto' always finds a backend)."""
+    if backend == "auto":
+        return None
+    try:
+        ops = get_ops(backend)
+    except ImportError as exc:  # a native backend whose toolchain is missing here
+        return str(exc)
+    return ops.unsupported_reason(plan, device, dtype)
+
+
+def release_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(statistics.fmean(math.log(value) for value in values))
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+class Benchmark:
+    """Runs the cells of a set of layers and collects one row per cell."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device, backends: list[str],
+                 ceilings: dict[str, Any], anchors: dict[tuple[str, int, str], float],
+                 name_width: int) -> None:
+        self.args, self.device, self.backends = args, device, backends
+        self.ceilings, self.anchors = ceilings, anchors
+        self.name_width = name_width
+        self.rows: list[dict[str, Any]] = []
+        self._reported_skips: set[tuple[str, str]] = set()
+
+    def print_header(self) -> None:
+        print(f"{'layer':<{self.name_width}} {'B':>5} {'dtype':<8} {'backend':<13} "
+              f"{'mode':<7} {'median_ms':>10} {'floor_ms':>9} {'%floor':>7} {'vs anchor':>9}")
+
+    def run(self, layers: list[BenchLayer]) -> None:
+        for layer in layers:
+            plan = layer.plan()
+            for batch in self.args.batches:
+                for dtype_name in self.args.dtypes:
+                    self._run_group(layer.name, plan, batch, dtype_name)
+                    release_memory(self.device)
+
+    def _run_group(self, name: str, plan: KNNConvPlan, batch: int, dtype_name: str) -> None:
+        """All backends and modes of one (layer, batch, dtype), on one set of inputs."""
+        dtype = DTYPES[dtype_name]
+        cell = (name, plan, batch, dtype_name)
+        try:
+            inputs = random_inputs(plan, batch, dtype, self.device)
+        except torch.cuda.OutOfMemoryError:
+            for backend in self.backends:
+                for mode in self.args.modes:
+                    self._record(*cell, backend, mode, "oom", note="allocating the inputs")
+            return
+        reference, check_note = self._reference_output(plan, inputs)
+        for backend in self.backends:
+            reason = unsupported_reason(backend, plan, self.device, dtype)
+            if reason is not None:
+                self._report_skip(backend, reason)
+                for mode in self.args.modes:
+                    self._record(*cell, backend, mode, "unsupported", note=reason)
+                continue
+            for mode in self.args.modes:
+                checked = reference if mode == "forward" else None
+                try:
+                    median_ms, ran, rel_err = self._time_cell(plan, inputs, backend, mode,
+                                                              checked)
+                except torch.cuda.OutOfMemoryError:
+                    self._record(*cell, backend, mode, "oom")
+                except RuntimeError as exc:  # e.g. a failed kernel canary; later cells still run
+                    self._record(*cell, backend, mode, "error", note=f"{type(exc).__name__}: {exc}")
+                else:
+                    note = check_note if mode == "forward" else None
+                    self._record(*cell, backend, mode, "ok", median_ms=median_ms, backend_ran=ran,
+                                 rel_err=rel_err, note=note)
+                inputs.clear_grads()
+                release_memory(self.device)
+
+    def _reference_output(self, plan: KNNConvPlan,
+                          inputs: CellInputs) -> tuple[torch.Tensor | None, str | None]:
+        """The float64 reference forward on the same device, when --check asks and it fits."""
+        if not self.args.check or "forward" not in self.args.modes:
+            return None, None
+        batch = inputs.x.shape[0]
+        # The reference's largest temporary is its float64 binned tensor [B, Nout, Cin*V].
+        needed_gb = batch * plan.nout * plan.q * 8 / 1e9
+        if needed_gb > self.args.max_ref_gb:
+            return None, (f"check skipped: the float64 reference needs {needed_gb:.1f} GB "
+                          f"> --max-ref-gb {self.args.max_ref_gb:g}")
+        try:
+            with torch.no_grad():
+                return knn_conv_with_backend(inputs.x.double(), inputs.weight.double(),
+                                             inputs.bias.double(), plan, "reference")[0], None
+        except torch.cuda.OutOfMemoryError:
+            return None, "check skipped: the float64 reference ran out of memory"
+
+    def _time_cell(self, plan: KNNConvPlan, inputs: CellInputs, backend: str, mode: str,
+                   reference: torch.Tensor | None) -> tuple[float, str, float | None]:
+        """(median ms, backend that ran, forward rel_err against ``reference`` or None)."""
+        x, weight, bias = inputs.x, inputs.weight, inputs.bias
+        timing = {"warmup": self.args.warmup, "repeats": self.args.repeats}
+        if mode == "train":
+            def train_step() -> str:
+                y, ran = knn_conv_with_backend(x, weight, bias, plan, backend)
+                y.backward(inputs.grad_y)
+                return ran
+
+            median_ms, ran = time_calls(train_step, self.device, reset=inputs.clear_grads,
+                                        **timing)
+            return median_ms, ran, None
+
+        def forward_step() -> str:
+            with torch.no_grad():
+                return knn_conv_with_backend(x, weight, bias, plan, backend)[1]
+
+        median_ms, ran = time_calls(forward_step, self.device, **timing)
+        if reference is None:
+            return median_ms, ran, None
+        with torch.no_grad():
+            y = knn_conv_with_backend(x, weight, bias, plan, backend)[0]
+        return median_ms, ran, relative_error(y, reference)
+
+    def _report_skip(self, backend: str, reason: str) -> None:
+        if (backend, reason) not in self._reported_skips:
+            self._reported_skips.add((backend, reason))
+            print(f"skipping backend {backend!r} where it cannot serve: {reason}")
+
+    def _record(self, name: str, plan: KNNConvPlan, batch: int, dtype_name: str, backend: str,
+                mode: str, status: str, *, median_ms: float | None = None,
+                backend_ran: str | None = None, rel_err: float | None = None,
+                note: str | None = None) -> None:
+        floor_ms = forward_floor_ms(plan, batch, self.ceilings)
+        if floor_ms is not None and mode == "train":
+            floor_ms *= TRAIN_FLOOR_FACTOR
+        anchor_ms = self.anchors.get((name, batch, mode)) if dtype_name == ANCHOR_DTYPE else None
+        measured = median_ms is not None
+        row = {
+            "layer": name, "batch": batch, "dtype": dtype_name, "backend": backend, "mode": mode,
+            "status": status, "backend_ran": backend_ran, "median_ms": median_ms,
+            "floor_ms": floor_ms,
+            "pct_of_floor": 100 * floor_ms / median_ms if measured and floor_ms else None,
+            "anchor_ms": anchor_ms,
+            "speedup_vs_anchor": anchor_ms / median_ms if measured and anchor_ms else None,
+            "rel_err": rel_err, "cin": plan.cin, "cout": plan.cout, "k": plan.k, "v": plan.v,
+            "nin": plan.nin, "nout": plan.nout, "p64": plan.p64,
+            "padding_fraction": plan.padding_fraction, "note": note,
+        }
+        self.rows.append(row)
+        measured_text = _fmt(median_ms, ".3f") if measured else status
+        line = (f"{name:<{self.name_width}} {batch:>5} {dtype_name:<8} {backend:<13} {mode:<7} "
+                f"{measured_text:>10} {_fmt(floor_ms, '.3f'):>9} "
+                f"{_fmt(row['pct_of_floor'], '.3g'):>7} {_fmt(row['speedup_vs_anchor'], '.3g'):>9}")
+        if rel_err is not None:
+            line += f"  rel_err {rel_err:.1e}"
+        if note is not None and status != "unsupported":  # unsupported reasons print once
+            line += f"  ({note})"
+        print(line, flush=True)
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Geometric means: % of floor per backend/mode, train speedup vs the anchor per backend."""
+    pct = defaultdict(list)
+    speedup = defaultdict(list)
+    for row in rows:
+        if row["status"] != "ok":
+            continue
+        if row["pct_of_floor"] is not None:
+            pct[(row["backend"], row["mode"])].append(row["pct_of_floor"])
+        if row["mode"] == "train" and row["speedup_vs_anchor"] is not None:
+            speedup[row["backend"]].append(row["speedup_vs_anchor"])
+    statuses = defaultdict(int)
+    for row in rows:
+        statuses[row["status"]] += 1
+    return {
+        "statuses": dict(statuses),
+        "pct_of_floor_geomean": [
+            {"backend": backend, "mode": mode, "geomean": _geomean(values), "cells": len(values)}
+            for (backend, mode), values in pct.items()
+        ],
+        "train_speedup_vs_anchor_geomean": [
+            {"backend": backend, "geomean": _geomean(values), "cells": len(values)}
+            for backend, values in speedup.items()
+        ],
+    }
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    print("\ncells by status: " + ", ".join(f"{n} {s}" for s, n in summary["statuses"].items()))
+    for entry in summary["pct_of_floor_geomean"]:
+        print(f"geomean % of floor  {entry['backend']:<13} {entry['mode']:<7} "
+              f"{entry['geomean']:7.2f}%  ({entry['cells']} cells)")
+    for entry in summary["train_speedup_vs_anchor_geomean"]:
+        print(f"geomean train speedup vs anchor  {entry['backend']:<13} "
+              f"{entry['geomean']:6.3g}x  ({entry['cells']} cells)")
+
+
+def plot_rows(rows: list[dict[str, Any]], path: Path) -> bool:
+    """% of floor (and speedup vs anchor, when known) per cell and backend/mode; False if
+    matplotlib is missing, so a long GPU run still writes its json and csv."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return False
+    cells = list(dict.fromkeys((r["layer"], r["batch"], r["dtype"]) for r in rows))
+    position = {cell: i for i, cell in enumerate(cells)}
+    series = list(dict.fromkeys((r["backend"], r["mode"]) for r in rows))
+    backends = list(dict.fromkeys(backend for backend, _ in series))
+    panels = [("pct_of_floor", "% of roofline floor")]
+    if any(r["speedup_vs_anchor"] is not None for r in rows):
+        panels.append(("speedup_vs_anchor", "speedup vs anchor (x)"))
+    figure = Figure(figsize=(max(8.0, 0.15 * len(cells)), 3.0 + 4.0 * len(panels)))
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for axis, (field, label) in zip(axes, panels, strict=True):
+        plotted = False
+        for number, (backend, mode) in enumerate(series):
+            # Each series sits slightly off the cell's tick so equal values stay visible.
+            shift = 0.6 * ((number + 0.5) / len(series) - 0.5)
+            points = [(position[(r["layer"], r["batch"], r["dtype"])] + shift, r[field])
+                      for r in rows
+                      if (r["backend"], r["mode"]) == (backend, mode) and r[field] is not None]
+            if points:
+                xs, ys = zip(*points, strict=True)
+                axis.scatter(xs, ys, s=14, marker="o" if mode == "forward" else "s",
+                             color=f"C{backends.index(backend)}", label=f"{backend} {mode}")
+                plotted = True
+        if plotted:
+            axis.set_yscale("log")
+            axis.legend(fontsize=7)
+        else:
+            axis.text(0.5, 0.5, "no roofline floor (ceilings are measured on CUDA only)",
+                      ha="center", va="center", transform=axis.transAxes)
+        if field == "speedup_vs_anchor":
+            axis.axhline(1.0, color="gray", linewidth=0.8)
+        axis.set_ylabel(label)
+        axis.grid(True, which="both", axis="y", alpha=0.3)
+    axes[-1].set_xticks(range(len(cells)))
+    axes[-1].set_xticklabels([f"{layer} B={batch} {dtype}" for layer, batch, dtype in cells],
+                             rotation=90, fontsize=5)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    return True
+
+
+def write_outputs(out_dir: Path, name: str, meta: dict[str, Any],
+                  rows: list[dict[str, Any]]) -> list[Path]:
+    """<name>.json (meta + rows), <name>.csv (rows) and <name>.png; the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, csv_path, png_path = (out_dir / f"{name}.{ext}" for ext in ("json", "csv", "png"))
+    json_path.write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    with csv_path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=ROW_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    written = [json_path, csv_path]
+    if plot_rows(rows, png_path):
+        written.append(png_path)
+    else:
+        print(f"matplotlib is not installed: {png_path} not written")
+    return written
+
+
+def device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} (sm_{major}{minor})"
+    return f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def default_name(device: torch.device) -> str:
+    """'h200' for an NVIDIA H200, 'cpu' on the CPU: the GPU model as a file-name slug."""
+    if device.type != "cuda":
+        return "cpu"
+    model = torch.cuda.get_device_name(device).lower().removeprefix("nvidia")
+    return re.sub(r"[^a-z0-9]+", "-", model).strip("-") or "cuda"
+
+
+def _comma_list(convert: Callable[[str], Any], choices=None) -> Callable[[str], list]:
+    def parse(text: str) -> list:
+        items = [convert(item.strip()) for item in text.split(",") if item.strip()]
+        bad = [item for item in items if choices is not None and item not in choices]
+        if not items or bad:
+            allowed = f" (choose from {', '.join(choices)})" if choices is not None else ""
+            raise argparse.ArgumentTypeError(f"bad list {text!r}{allowed}")
+        return items
+    return parse
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--geometry", type=Path, metavar="DIR",
+                        help="geometry set (DIR/index.json + npz tables); default: built-in "
+                             "AlexNet-like and ResNet-like layers")
+    parser.add_argument("--layers", action="append", metavar="SUBSTR",
+                        help="keep layers whose name contains SUBSTR (repeatable)")
+    parser.add_argument("--batches", type=_comma_list(_positive_int),
+                        default=list(DEFAULT_BATCHES),
+                        help="comma-separated batch sizes (default "
+                             f"{','.join(map(str, DEFAULT_BATCHES))})")
+    parser.add_argument("--dtypes", type=_comma_list(str, DTYPES), default=["float16"],
+                        help="comma-separated: float16, bfloat16, float32 (default float16)")
+    parser.add_argument("--backends", type=_comma_list(str),
+                        help="comma-separated backends, 'auto' allowed (default: every "
+                             "available backend, each where it can serve)")
+    parser.add_argument("--modes", type=_comma_list(str, MODES), default=list(MODES),
+                        help="comma-separated: forward, train (default both)")
+    parser.add_argument("--warmup", type=_non_negative_int, default=3,
+                        help="untimed calls per cell (default 3)")
+    parser.add_argument("--repeats", type=_positive_int, default=20,
+                        help="timed calls per cell; the median is reported (default 20)")
+    parser.add_argument("--check", action="store_true",
+                        help="store each forward's relative error against the float64 reference")
+    parser.add_argument("--max-ref-gb", type=float, default=16.0,
+                        help="skip --check where the float64 reference's binned tensor "
+                             "(B*Nout*Cin*V*8 bytes) exceeds this (default 16)")
+    parser.add_argument("--anchors", type=Path, metavar="FILE",
+                        help="anchor times (default: the checkout's bench/anchors.json, if any)")
+    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"), metavar="DIR",
+                        help="output folder (default bench/results)")
+    parser.add_argument("--name", help="output file stem (default: from the GPU model, or 'cpu')")
+
+
+def run(args: argparse.Namespace) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # events record on the current device's stream
+    known = available_backends()
+    backends = args.backends or known
+    unknown = [name for name in backends if name not in known and name != "auto"]
+    if unknown:
+        print(f"unknown backend(s) {unknown}; choose 'auto' or from {known}", file=sys.stderr)
+        return 2
+    if args.geometry is not None:
+        layers = load_geometry_dir(args.geometry, args.layers)
+    else:
+        layers = builtin_layers(args.layers)
+    if not layers:
+        print(f"no conv layer matches --layers {args.layers}", file=sys.stderr)
+        return 2
+    anchors_path = args.anchors
+    if anchors_path is None and REPO_ANCHORS.exists():
+        anchors_path = REPO_ANCHORS
+    anchors = load_anchors(anchors_path) if anchors_path is not None else {}
+
+    ceilings = measure_ceilings(device)
+    print(f"device: {device_description(device)}; torch {torch.__version__}")
+    print("ceilings: " + ", ".join(f"{key} {_fmt(value, '.4g')}"
+                                   for key, value in ceilings.items()))
+    print(f"anchors: {anchors_path or 'none'}")
+    bench = Benchmark(args, device, backends, ceilings, anchors,
+                      name_width=max(len(layer.name) for layer in layers))
+    bench.print_header()
+    bench.run(layers)
+
+    summary = summarize(bench.rows)
+    print_summary(summary)
+    meta = {
+        "device": device_description(device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "ceilings": ceilings,
+        "settings": {"geometry": str(args.geometry) if args.geometry else "builtin",
+                     "batches": args.batches, "dtypes": args.dtypes, "backends": backends,
+                     "modes": args.modes, "warmup": args.warmup, "repeats": args.repeats,
+                     "anchors": str(anchors_path) if anchors_path else None},
+        "summary": summary,
+    }
+    for path in write_outputs(args.out, args.name or default_name(device), meta, bench.rows):
+        print(f"wrote {path}")
+    return 1 if summary["statuses"].get("error") else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="knnconv bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

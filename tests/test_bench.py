@@ -1,0 +1,163 @@
+"""knnconv.bench on the CPU: geometry sets, outputs, the reference check, anchors, the floor."""
+
+from __future__ import annotations
+
+import csv
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from knnconv import available_backends, bench
+
+TINY = {"K": 4, "V": 6, "Nin": 12, "Nout": 5}
+QUICK = ["--batches", "2", "--repeats", "2", "--warmup", "1"]
+
+
+def write_geometry_set(directory) -> None:
+    """A geometry set in the published format: two convs (one padded) and three entries to skip."""
+    rng = np.random.default_rng(0)
+    k, v, nin, nout = TINY["K"], TINY["V"], TINY["Nin"], TINY["Nout"]
+    knn = np.stack([rng.permutation(nin)[:k] for _ in range(nout)], axis=1).astype(np.int32)
+    rf = np.stack([rng.permutation(v)[:k] for _ in range(nout)]).astype(np.int16)
+    padded = knn.copy()
+    padded[-1, :3] = nin  # the last neighbour of three outputs is the padding token
+    for name, table in (("plain.npz", knn), ("padded.npz", padded)):
+        np.savez(directory / name, knn_indices_pad_token=table, rf_index=rf, nin=np.int64(nin),
+                 v=np.int64(v))
+    layers = [
+        {"model": "tiny", "layer": "backbone.block.0.conv", "kind": "conv", "Cin": 3, "Cout": 4,
+         **TINY, "npz": "plain.npz"},
+        {"model": "tiny", "layer": "backbone.block.0.pool", "kind": "pool", "K": 3, "Nin": 5,
+         "Nout": 2},
+        {"model": "tiny", "layer": "embeddings.patch", "kind": "conv", "Cin": 2, "Cout": 3,
+         **TINY, "npz": "padded.npz"},
+        {"model": "tiny", "layer": "backbone.no_tables", "kind": "conv", "Cin": 2, "Cout": 3,
+         **TINY},
+        {"model": "tiny", "layer": "backbone.block.1.conv", "kind": "conv", "Cin": 3, "Cout": 4,
+         **TINY, "npz": "plain.npz"},  # block.0.conv again: times the same, so skipped
+    ]
+    (directory / "index.json").write_text(json.dumps({"layers": layers}))
+
+
+def read_rows(out_dir, name: str = "cpu") -> list[dict]:
+    return json.loads((out_dir / f"{name}.json").read_text())["rows"]
+
+
+def test_geometry_set_writes_checked_rows(tmp_path):
+    write_geometry_set(tmp_path)
+    out = tmp_path / "out"
+    rc = bench.main(["--geometry", str(tmp_path), *QUICK, "--dtypes", "float32", "--check",
+                     "--out", str(out)])
+    assert rc == 0
+    for ext in ("json", "csv", "png"):
+        assert (out / f"cpu.{ext}").stat().st_size > 0
+    result = json.loads((out / "cpu.json").read_text())
+    assert result["ceilings"] == {"copy_gbps": None, "matmul_tflops": None}
+    rows = result["rows"]
+    # Pools, entries without tables and repeats are skipped; only 'backbone.' leaves names.
+    assert {row["layer"] for row in rows} == {"tiny:block.0.conv", "tiny:embeddings.patch"}
+    assert len(rows) == 2 * len(available_backends()) * 2  # layers x backends x modes
+    for row in rows:
+        assert set(bench.ROW_FIELDS) <= set(row)
+        assert row["floor_ms"] is None and row["pct_of_floor"] is None  # no ceilings on CPU
+        assert row["anchor_ms"] is None  # the anchor is fp16 only
+        if row["backend"] == "cuda":
+            assert row["status"] == "unsupported" and row["median_ms"] is None
+            continue
+        assert row["status"] == "ok" and row["backend_ran"] == row["backend"]
+        assert row["median_ms"] > 0
+        if row["mode"] == "forward":
+            assert row["rel_err"] < 1e-5
+        else:
+            assert row["rel_err"] is None
+    padded = [row for row in rows if row["layer"] == "tiny:embeddings.patch"]
+    assert all(row["padding_fraction"] == pytest.approx(3 / 20) for row in padded)
+    assert all((row["cin"], row["cout"], row["k"], row["v"], row["nin"], row["nout"], row["p64"])
+               == (2, 3, 4, 6, 12, 5, 64) for row in padded)
+    with (out / "cpu.csv").open() as handle:
+        table = list(csv.DictReader(handle))
+    assert len(table) == len(rows) and tuple(table[0]) == bench.ROW_FIELDS
+
+
+def test_builtin_set_with_layer_filter(tmp_path):
+    rc = bench.main(["--layers", "builtin-resnet:layer3", *QUICK, "--dtypes", "float32",
+                     "--backends", "torch_compact", "--out", str(tmp_path), "--name", "builtin"])
+    assert rc == 0
+    rows = read_rows(tmp_path, "builtin")
+    assert [(row["layer"], row["mode"]) for row in rows] == [
+        ("builtin-resnet:layer3.0.conv1", "forward"), ("builtin-resnet:layer3.0.conv1", "train")]
+    assert all((row["cin"], row["cout"], row["k"]) == (128, 256, 9) for row in rows)
+    assert rows[0]["nin"] > rows[0]["nout"]  # a strided layer: one level coarser
+
+
+def test_anchor_times_fill_fp16_rows(tmp_path):
+    write_geometry_set(tmp_path)
+    anchors = tmp_path / "anchors.json"
+    anchors.write_text(json.dumps([
+        {"layer": "tiny:block.0.conv", "batch": 2, "floor_fwd_ms": 0.001, "anchor_fwd_ms": 0.5,
+         "reference_fwd_ms": 1.0, "floor_train_ms": 0.003, "anchor_train_ms": 1.5,
+         "reference_train_ms": 3.0},
+    ]))
+    rc = bench.main(["--geometry", str(tmp_path), "--layers", "block", *QUICK,
+                     "--dtypes", "float16,float32", "--backends", "torch_compact",
+                     "--anchors", str(anchors), "--out", str(tmp_path)])
+    assert rc == 0
+    for row in read_rows(tmp_path):
+        if row["dtype"] == "float32":
+            assert row["anchor_ms"] is None and row["speedup_vs_anchor"] is None
+        else:
+            assert row["anchor_ms"] == {"forward": 0.5, "train": 1.5}[row["mode"]]
+            assert row["speedup_vs_anchor"] == pytest.approx(row["anchor_ms"] / row["median_ms"])
+    summary = json.loads((tmp_path / "cpu.json").read_text())["summary"]
+    assert [entry["backend"] for entry in summary["train_speedup_vs_anchor_geomean"]] == [
+        "torch_compact"]
+
+
+def test_repo_anchors_cover_the_anchor_table():
+    entries = json.loads(bench.REPO_ANCHORS.read_text())
+    assert len(entries) == 72 and len({(e["layer"], e["batch"]) for e in entries}) == 72
+    anchors = bench.load_anchors(bench.REPO_ANCHORS)
+    layer = "fovi-alexnet_a-0.5_res-64_rfmult-1:layers.0.conv"
+    assert anchors[(layer, 128, "forward")] == 0.419
+    assert anchors[(layer, 128, "train")] == 1.283
+
+
+# The anchor run's ceilings and some of its floors (shared/anchors.md), from each layer's sizes.
+ANCHOR_CEILINGS = {"copy_gbps": 4124.0, "matmul_tflops": 750.0}
+ANCHOR_FLOORS = [
+    # (B, Cin, Cout, K, V, Nin, Nout, P64, floor fwd ms): compute-bound, then memory-bound
+    (128, 3, 96, 121, 121, 4085, 964, 384, 0.011),
+    (2048, 96, 256, 25, 25, 230, 230, 2432, 0.772),
+    (2048, 256, 512, 1, 1, 16, 2, 256, 0.005),
+    (2048, 512, 512, 2, 36, 2, 2, 1024, 0.007),
+]
+
+
+@pytest.mark.parametrize("batch, cin, cout, k, v, nin, nout, p64, expected", ANCHOR_FLOORS)
+def test_floor_matches_the_anchor_table(batch, cin, cout, k, v, nin, nout, p64, expected):
+    plan = SimpleNamespace(cin=cin, cout=cout, k=k, v=v, nin=nin, nout=nout, p64=p64)
+    assert bench.forward_floor_ms(plan, batch, ANCHOR_CEILINGS) == pytest.approx(expected,
+                                                                                 abs=5e-4)
+
+
+def test_time_calls_resets_before_every_call():
+    events = []
+
+    def call():
+        events.append("call")
+        return len(events)
+
+    median_ms, last = bench.time_calls(call, torch.device("cpu"), warmup=2, repeats=3,
+                                       reset=lambda: events.append("reset"))
+    assert events == ["reset", "call"] * 5
+    assert last == 10 and median_ms >= 0
+
+
+def test_bad_requests_exit_with_2(tmp_path):
+    assert bench.main(["--backends", "nope", "--out", str(tmp_path)]) == 2
+    assert bench.main(["--layers", "no-such-layer", "--out", str(tmp_path)]) == 2
+    with pytest.raises(SystemExit):
+        bench.main(["--dtypes", "float8"])
