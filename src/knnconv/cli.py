@@ -16,7 +16,7 @@ from itertools import pairwise
 
 import torch
 
-from . import __version__
+from . import __version__, bench
 from .functional import knn_conv
 from .geometry import foveated_stack, knn_geometry
 from .ops import KNNConvOps, available_backends, get_ops
@@ -309,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
                              help="layouts in the stack (one layer between each two)")
     run_command.add_argument("--channels", type=positive_int, default=32,
                              help="output channels of the first layer; each next one doubles")
+    bench_help = "time every backend against a roofline floor (JSON, CSV and PNG results)"
+    bench.add_arguments(commands.add_parser("bench", help=bench_help, description=bench_help))
     return parser
 
 
@@ -317,4 +319,5 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         args = parser.parse_args(["run"])
-    return check(args) if args.command == "check" else run(args)
+    commands = {"check": check, "run": run, "bench": bench.run}
+    return commands[args.command](args)
