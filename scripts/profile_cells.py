@@ -1,0 +1,67 @@
+"""Where one layer's training step spends its time: per-kernel GPU time (torch.profiler)
+and the host wall time per call, for a few geometry cells.
+
+    python scripts/profile_cells.py GEOMETRY_DIR LAYER_SUBSTR:BATCH [...]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import knnconv
+from knnconv.bench import load_geometry_dir
+
+
+def profile_cell(layer, batch: int, backend: str = "cuda") -> None:
+    device = torch.device("cuda")
+    plan = layer.plan()
+    x = torch.randn(batch, plan.cin, plan.nin, device=device, dtype=torch.float16,
+                    requires_grad=True)
+    weight = (torch.randn(plan.cout, plan.q, device=device) / (plan.cin * plan.k) ** 0.5).half()
+    weight.requires_grad_()
+    bias = torch.randn(plan.cout, device=device, dtype=torch.float16, requires_grad=True)
+    grad = torch.randn(batch, plan.cout, plan.nout, device=device, dtype=torch.float16)
+
+    def step():
+        y = knnconv.knn_conv(x, weight, bias, plan, backend)
+        y.backward(grad)
+
+    def forward():
+        with torch.no_grad():
+            knnconv.knn_conv(x, weight, bias, plan, backend)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    for name, call in (("forward", forward), ("train", step)):
+        start = time.perf_counter()
+        for _ in range(20):
+            call()
+        host = (time.perf_counter() - start) / 20 * 1e3
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / 20 * 1e3
+        print(f"{layer.name} B={batch} {name}: host {host:.3f} ms/call, wall {wall:.3f} ms/call")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
+                                      max_name_column_width=70)
+    print(table)
+
+
+def main(argv: list[str]) -> None:
+    layers = load_geometry_dir(Path(argv[0]))
+    for spec in argv[1:]:
+        name, batch = spec.rsplit(":", 1)
+        layer = next(entry for entry in layers if name in entry.name)
+        profile_cell(layer, int(batch))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
