@@ -32,8 +32,10 @@ def run_case(batch, cin, cout, nin, nout, k, v, padding, dtype, generator) -> fl
     weight = torch.randn(cout, plan.q, generator=generator).to("cuda", dtype)
     grad_y = torch.randn(batch, cout, nout, generator=generator).to("cuda", dtype)
     il, wl = tables.input_linear, tables.weight_linear
-    y = knn_cuda.forward(x, weight, None, il, wl, poison_output=True)
-    dx, dw = knn_cuda.backward_combined(grad_y, x, weight, il, wl, cin, nin, plan.q)
+    reverse = knn_cuda.reverse_tables(tables.knn_indices, tables.rf_index, nin)
+    y, saved = knn_cuda.forward(x, weight, None, il, wl, poison_output=True,
+                                return_transposed=True)
+    dx, dw = knn_cuda.backward(grad_y, saved, weight, il, wl, reverse, cin, nin, plan.q)
     reference = knnconv.get_ops("reference")
     y_ref = reference.forward(plan, x.double(), weight.double(), None)
     dx_ref, dw_ref = reference.backward_combined(plan, grad_y.double(), x.double(),

@@ -71,15 +71,23 @@ class KNNConvFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, plan: KNNConvPlan, ops: KNNConvOps, dtype: torch.dtype):
-        xc = x.to(dtype).contiguous()
-        wc = weight.to(dtype).contiguous()
+        xc = x.to(dtype)
+        wc = weight.to(dtype)
         bc = None if bias is None else bias.to(dtype)
+        need_x, need_w = ctx.needs_input_grad[:2]
+        saved_x = xc
         if x.shape[0] == 0:  # an empty batch is legal; no backend needs to handle it
             y = xc.new_empty(0, plan.nout, plan.cout).transpose(1, 2)
+        elif need_w:
+            y, saved_x = ops.forward_saving(plan, xc, wc, bc)
         else:
             y = ops.forward(plan, xc, wc, bc)
-        ctx.save_for_backward(xc if weight.requires_grad else None,
-                              wc if x.requires_grad else None)
+        if isinstance(saved_x, torch.Tensor):
+            ctx.save_for_backward(saved_x if need_w else None, wc if need_x else None)
+            ctx.saved_input = None
+        else:  # a backend's own re-layout of x; it holds no autograd history
+            ctx.save_for_backward(None, wc if need_x else None)
+            ctx.saved_input = saved_x
         ctx.plan, ctx.ops, ctx.compute_dtype = plan, ops, dtype
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y
@@ -87,10 +95,12 @@ class KNNConvFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         xc, wc = ctx.saved_tensors
+        if ctx.saved_input is not None:
+            xc = ctx.saved_input
         plan, ops = ctx.plan, ctx.ops
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_y = grad_y.to(ctx.compute_dtype).contiguous()
+        grad_y = grad_y.to(ctx.compute_dtype)
         grad_x = grad_w = grad_b = None
         if grad_y.shape[0] == 0:
             grad_x = grad_y.new_zeros(0, plan.cin, plan.nin)
@@ -104,8 +114,8 @@ class KNNConvFunction(torch.autograd.Function):
         if need_b:
             acc = torch.float64 if grad_y.dtype == torch.float64 else torch.float32
             grad_b = grad_y.sum(dim=(0, 2), dtype=acc).to(b_dtype)
-        grad_x = grad_x.to(x_dtype) if need_x else None
-        grad_w = grad_w.to(w_dtype) if need_w else None
+        grad_x = grad_x.to(x_dtype, memory_format=torch.contiguous_format) if need_x else None
+        grad_w = grad_w.to(w_dtype, memory_format=torch.contiguous_format) if need_w else None
         return grad_x, grad_w, grad_b, None, None, None
 
 

@@ -29,6 +29,12 @@ class KNNConvOps:
         """y [B, Cout, Nout] in x's dtype."""
         raise NotImplementedError
 
+    def forward_saving(self, plan: KNNConvPlan, x: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None):
+        """y, and what the backward should receive as ``x``: x itself, unless the backend keeps
+        a re-laid-out copy from the forward that spares the backward re-laying x out again."""
+        return self.forward(plan, x, weight, bias), x
+
     def grad_input(self, plan: KNNConvPlan, grad_y: torch.Tensor,
                    weight: torch.Tensor) -> torch.Tensor:
         """dL/dx [B, Cin, Nin], accumulated in at least float32."""

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import torch
 
-from knnconv.ops.cuda.build import KERNEL_DIR, KERNEL_SOURCE, kernel_name
+from knnconv.ops.cuda.build import KERNEL_DIR, KERNEL_SOURCE, kernel_name, transpose_name
 from knnconv.ops.cuda.configs import FAMILIES, KernelConfig, _rules, check_config
 
 ARCHITECTURES = ("sm_80", "sm_90", "sm_120")
@@ -24,6 +24,8 @@ def default_instantiations() -> list[str]:
             cfg = check_config(family, KernelConfig(*rule["config"]))
             for dtype in (torch.float16, torch.bfloat16):
                 names.add(kernel_name(family, dtype, cfg))
+    floats = (torch.float32, torch.float16, torch.bfloat16)
+    names.update(transpose_name(source, target) for source in floats for target in floats)
     return sorted(names)
 
 

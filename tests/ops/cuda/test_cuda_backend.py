@@ -55,17 +55,26 @@ def check_all_entries(plan, x, weight, bias, grad_y, *, forward_cfg=None, input_
                       weight_cfg=None, ksplit=None):
     tables = plan.on(DEVICE)
     il, wl = tables.input_linear, tables.weight_linear
+    reverse = knn_cuda.reverse_tables(tables.knn_indices, tables.rf_index, plan.nin)
     y_ref, dx_ref, dw_ref = reference(plan, x, weight, bias, grad_y)
-    y = knn_cuda.forward(x, weight, bias, il, wl, forward_cfg, poison_output=True)
-    dx = knn_cuda.grad_input(grad_y, weight, il, wl, plan.cin, plan.nin, input_cfg)
+    y, saved = knn_cuda.forward(x, weight, bias, il, wl, forward_cfg, poison_output=True,
+                                return_transposed=True)
+    dx = knn_cuda.grad_input(grad_y, weight, reverse, plan.cin, plan.nin, input_cfg)
     dw = knn_cuda.grad_weight(grad_y, x, il, wl, plan.q, weight_cfg, ksplit)
-    dx2, dw2 = knn_cuda.backward_combined(grad_y, x, weight, il, wl, plan.cin, plan.nin, plan.q,
-                                          input_cfg, weight_cfg, ksplit)
+    dx2, dw2 = knn_cuda.backward_combined(grad_y, x, weight, il, wl, reverse, plan.cin, plan.nin,
+                                          plan.q, input_cfg, weight_cfg, ksplit)
+    # The forward's re-laid-out input, and grad_y in the transposed layout y itself has.
+    strided_grad = grad_y.transpose(1, 2).contiguous().transpose(1, 2)
+    dx3, dw3 = knn_cuda.backward(strided_grad, saved, weight, il, wl, reverse, plan.cin, plan.nin,
+                                 plan.q, input_config=input_cfg, weight_config=weight_cfg,
+                                 ksplit=ksplit)
     tol = FORWARD_TOLERANCE[x.dtype]
     assert y.shape == (x.shape[0], plan.cout, plan.nout) and y.dtype == x.dtype
     assert not torch.isnan(y).any(), "unwritten (poisoned) forward outputs"
     assert rel_err(y, y_ref) < tol
-    for value, expected in ((dx, dx_ref), (dx2, dx_ref), (dw, dw_ref), (dw2, dw_ref)):
+    assert torch.equal(saved.original(), x)
+    for value, expected in ((dx, dx_ref), (dx2, dx_ref), (dx3, dx_ref), (dw, dw_ref),
+                            (dw2, dw_ref), (dw3, dw_ref)):
         assert value.dtype == torch.float32
         assert torch.isfinite(value).all()
         assert rel_err(value, expected) < GRAD_TOLERANCE
@@ -114,7 +123,7 @@ def test_every_config_matches_reference(dtype, family):
         case = make_case(index, batch=70, cin=12, cout=70, dtype=dtype, nin=50, nout=9, k=11,
                          padding=0.2, collisions=True, v=16)
         plan = case[0]
-        if family != "forward" and plan.p64 % (cfg.bn if family == "grad_input" else cfg.tile_m):
+        if family == "grad_weight" and plan.p64 % cfg.tile_m:
             continue
         chosen = {"forward": "forward_cfg", "grad_input": "input_cfg",
                   "grad_weight": "weight_cfg"}[family]
@@ -125,6 +134,24 @@ def test_every_config_matches_reference(dtype, family):
 def test_grad_weight_split_k_matches_reference(ksplit):
     check_all_entries(*make_case(ksplit, batch=200, cin=8, cout=64, dtype=torch.float16, nin=30,
                                  nout=5, k=9, padding=0.1), ksplit=ksplit)
+
+
+def test_grad_input_is_deterministic():
+    plan, x, weight, _, grad_y = make_case(3, batch=64, cin=16, cout=40, dtype=torch.float16,
+                                           nin=30, nout=30, k=9, padding=0.1)
+    tables = plan.on(DEVICE)
+    reverse = knn_cuda.reverse_tables(tables.knn_indices, tables.rf_index, plan.nin)
+    runs = [knn_cuda.grad_input(grad_y, weight, reverse, plan.cin, plan.nin) for _ in range(3)]
+    assert all(torch.equal(runs[0], run) for run in runs[1:])
+
+
+def test_weight_layout_cache_follows_in_place_updates():
+    case = make_case(4, batch=20, cin=4, cout=24, dtype=torch.float16, nin=30, nout=12, k=9)
+    plan, x, weight, bias, _ = case
+    ops = knnconv.get_ops("cuda")
+    ops.forward(plan, x, weight, bias)
+    weight.mul_(2)  # bumps the version: the cached re-layout must not be reused
+    assert rel_err(ops.forward(plan, x, weight, bias), reference(*case)[0]) < 2e-3
 
 
 def test_auto_policy_and_visible_backend():

@@ -9,7 +9,9 @@ the ``torch_compact`` backend when ``backend="auto"`` (and refused by ``backend=
 
 from __future__ import annotations
 
+import math
 import threading
+import weakref
 
 import torch
 
@@ -26,17 +28,24 @@ from .configs import (
 )
 from .launch import (
     COMPUTE_DTYPES,
+    ReverseTables,
+    TransposedInput,
+    backward,
     backward_combined,
     clear_launch_caches,
     forward,
     grad_input,
     grad_weight,
+    reverse_tables,
+    transposed_weight,
+    weight_by_cell,
 )
 
 __all__ = [
-    "CudaOps", "KernelConfig", "backward_combined", "clear_kernel_cache", "default_config",
-    "default_grad_input_config", "default_grad_weight_config", "default_grad_weight_ksplit",
-    "forward", "grad_input", "grad_weight",
+    "CudaOps", "KernelConfig", "ReverseTables", "TransposedInput", "backward",
+    "backward_combined", "clear_kernel_cache", "default_config", "default_grad_input_config",
+    "default_grad_weight_config", "default_grad_weight_ksplit", "forward", "grad_input",
+    "grad_weight", "reverse_tables",
 ]
 
 # Relative error against the torch_compact oracle above which a first-use canary fails.
@@ -50,12 +59,38 @@ def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
     return error / scale if scale > 0 else error
 
 
+class _WeightLayouts:
+    """Re-laid-out copies of weight tensors (wt for the forward, wr for grad_input), kept while
+    the weight lives and its version is unchanged: a training step re-lays its weight out once
+    for the forward and once for the backward, not once per call and kernel."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, tuple] = {}
+
+    def get(self, weight: torch.Tensor, kind: tuple, build):
+        key = (id(weight), *kind)
+        entry = self._entries.get(key)
+        if entry is not None:
+            alive, version, layout = entry
+            if alive() is weight and version == weight._version:
+                return layout
+        layout = build()
+        if entry is None:
+            weakref.finalize(weight, self._entries.pop, key, None)
+        self._entries[key] = (weakref.ref(weight), weight._version, layout)
+        return layout
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
 class CudaOps(KNNConvOps):
-    """Registry ops backed by the native kernels (forward + fused-atomic backward).
+    """Registry ops backed by the native kernels.
 
     The first call of each (kernel, dtype, tile config) on a device is checked against the
     torch_compact oracle on the same inputs (the forward with a NaN-poisoned output), and
-    raises if they disagree; later calls, and calls under CUDA-graph capture, are not.
+    raises if they disagree; later calls are not, and a first use inside CUDA-graph capture
+    raises (warm up eagerly first).
     """
 
     name = "cuda"
@@ -65,6 +100,7 @@ class CudaOps(KNNConvOps):
         self._verified: set[tuple] = set()
         self._device_reasons: dict[int, str | None] = {}
         self._lock = threading.Lock()
+        self.weight_layouts = _WeightLayouts()
 
     def _device_reason(self, index: int) -> str | None:
         if index not in self._device_reasons:
@@ -89,8 +125,9 @@ class CudaOps(KNNConvOps):
             return (f"computes in float16/bfloat16, got {dtype} (use torch.autocast, or "
                     "backend='torch_compact' / 'auto' for float32)")
         if torch.are_deterministic_algorithms_enabled():
-            return ("its gradients accumulate with fp32 atomics, which is not deterministic; "
-                    "use backend='torch_compact' under torch.use_deterministic_algorithms")
+            return ("its weight gradient accumulates with fp32 atomics, which is not "
+                    "deterministic; use backend='torch_compact' under "
+                    "torch.use_deterministic_algorithms")
         index = device.index if device.index is not None else torch.cuda.current_device()
         return self._device_reason(index)
 
@@ -104,64 +141,82 @@ class CudaOps(KNNConvOps):
             )
         return True
 
-    def _canary(self, key: tuple, what: str, value: torch.Tensor, reference: torch.Tensor) -> None:
+    def _canary(self, key: tuple, value: torch.Tensor, reference: torch.Tensor) -> None:
         error = _relative_error(value, reference)
         if not error <= CANARY_TOLERANCE[key[1]]:  # also catches NaN
             raise RuntimeError(
-                f"knnconv cuda {what} canary failed for {key}: relative error {error:.3g} "
+                f"knnconv cuda {key[0]} canary failed for {key}: relative error {error:.3g} "
                 "against torch_compact; please report this with your layer sizes"
             )
         with self._lock:
             self._verified.add(key)
 
-    def _tables(self, plan: KNNConvPlan, device: torch.device):
-        tables = plan.on(device)
-        return tables.input_linear, tables.weight_linear
+    @staticmethod
+    def reverse(plan: KNNConvPlan, device: torch.device) -> ReverseTables:
+        return plan.derived(device, "cuda.reverse",
+                            lambda t: reverse_tables(t.knn_indices, t.rf_index, plan.nin))
 
-    def forward(self, plan, x, weight, bias):
-        input_linear, weight_linear = self._tables(plan, x.device)
+    def forward_saving(self, plan, x, weight, bias):
+        tables = plan.on(x.device)
         cfg = default_config(x.shape[0], plan.cout, plan.p64, x.dtype, plan.nout)
         key = ("forward", x.dtype, cfg, x.device)
         first = self._first_use(key)
-        y = forward(x, weight, bias, input_linear, weight_linear, cfg, poison_output=first)
+        cpad = -(-plan.cout // cfg.bn) * cfg.bn
+        wt = self.weight_layouts.get(weight, ("wt", cpad, x.dtype),
+                                     lambda: transposed_weight(weight, cpad, x.dtype))
+        y, saved = forward(x, weight, bias, tables.input_linear, tables.weight_linear, cfg,
+                           poison_output=first, wt=wt, return_transposed=True)
         if first:
-            self._canary(key, "forward", y, self._oracle.forward(plan, x, weight, bias))
-        return y
+            self._canary(key, y, self._oracle.forward(plan, x, weight, bias))
+        return y, saved
+
+    def forward(self, plan, x, weight, bias):
+        return self.forward_saving(plan, x, weight, bias)[0]
+
+    def _backward(self, plan, grad_y, x, weight, need_input, need_weight):
+        batch = grad_y.shape[0]
+        tables = plan.on(grad_y.device)
+        input_cfg = default_grad_input_config(batch, plan.cin)
+        weight_cfg = default_grad_weight_config(batch, plan.cout, plan.p64)
+        keys = [(family, grad_y.dtype, cfg, grad_y.device) for family, cfg, needed in (
+            ("grad_input", input_cfg, need_input), ("grad_weight", weight_cfg, need_weight))
+            if needed]
+        first = [key for key in keys if self._first_use(key)]
+        wr = None
+        if need_input:
+            gpad = -(-plan.cout // math.lcm(input_cfg.bk, weight_cfg.bn)) * math.lcm(
+                input_cfg.bk, weight_cfg.bn)
+            cinpad = -(-plan.cin // input_cfg.bn) * input_cfg.bn
+            wr = self.weight_layouts.get(
+                weight, ("wr", gpad, cinpad, grad_y.dtype),
+                lambda: weight_by_cell(weight, plan.cin, gpad, cinpad, grad_y.dtype))
+        dx, dw = backward(grad_y, x, weight, tables.input_linear, tables.weight_linear,
+                          self.reverse(plan, grad_y.device), plan.cin, plan.nin, plan.q,
+                          need_input=need_input, need_weight=need_weight,
+                          input_config=input_cfg, weight_config=weight_cfg, wr=wr)
+        for key in first:
+            original = x.original() if isinstance(x, TransposedInput) else x
+            if key[0] == "grad_input":
+                self._canary(key, dx, self._oracle.grad_input(plan, grad_y, weight))
+            else:
+                self._canary(key, dw, self._oracle.grad_weight(plan, grad_y, original))
+        return dx, dw
 
     def grad_input(self, plan, grad_y, weight):
-        input_linear, weight_linear = self._tables(plan, grad_y.device)
-        cfg = default_grad_input_config(grad_y.shape[0], plan.cout)
-        key = ("grad_input", grad_y.dtype, cfg, grad_y.device)
-        first = self._first_use(key)
-        dx = grad_input(grad_y, weight, input_linear, weight_linear, plan.cin, plan.nin, cfg)
-        if first:
-            self._canary(key, "grad_input", dx, self._oracle.grad_input(plan, grad_y, weight))
-        return dx
+        return self._backward(plan, grad_y, None, weight, True, False)[0]
 
     def grad_weight(self, plan, grad_y, x):
-        input_linear, weight_linear = self._tables(plan, grad_y.device)
-        cfg = default_grad_weight_config(grad_y.shape[0], plan.cout, plan.p64)
-        key = ("grad_weight", grad_y.dtype, cfg, grad_y.device)
-        first = self._first_use(key)
-        dw = grad_weight(grad_y, x, input_linear, weight_linear, plan.q, cfg)
-        if first:
-            self._canary(key, "grad_weight", dw, self._oracle.grad_weight(plan, grad_y, x))
-        return dw
+        return self._backward(plan, grad_y, x, None, False, True)[1]
 
     def backward_combined(self, plan, grad_y, x, weight):
-        batch = grad_y.shape[0]
-        input_cfg = default_grad_input_config(batch, plan.cout)
-        weight_cfg = default_grad_weight_config(batch, plan.cout, plan.p64)
-        keys = [(family, grad_y.dtype, cfg, grad_y.device)
-                for family, cfg in (("grad_input", input_cfg), ("grad_weight", weight_cfg))]
-        if any(self._first_use(key) for key in keys):
-            return self.grad_input(plan, grad_y, weight), self.grad_weight(plan, grad_y, x)
-        input_linear, weight_linear = self._tables(plan, grad_y.device)
-        return backward_combined(grad_y, x, weight, input_linear, weight_linear, plan.cin,
-                                 plan.nin, plan.q, input_cfg, weight_cfg)
+        return self._backward(plan, grad_y, x, weight, True, True)
 
 
 def clear_kernel_cache() -> None:
-    """Drop compiled-module references and launch caches (CuPy's on-disk cache is kept)."""
+    """Drop compiled-module references, launch caches and re-laid-out weights (CuPy's on-disk
+    cache is kept)."""
     clear_modules()
     clear_launch_caches()
+    from ..registry import get_ops
+
+    get_ops("cuda").weight_layouts.clear()

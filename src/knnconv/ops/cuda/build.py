@@ -22,12 +22,7 @@ from .configs import KernelConfig
 KERNEL_DIR = Path(__file__).parent / "kernels"
 KERNEL_SOURCE = KERNEL_DIR / "knn_conv.cu"
 REQUIRED_HEADERS = ("cuda_fp16.h", "cuda_bf16.h", "mma.h")
-SCALAR_TYPES = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
-FAMILY_KERNELS = {
-    "forward": "knnconv::knn_forward",
-    "grad_input": "knnconv::knn_grad_input",
-    "grad_weight": "knnconv::knn_grad_weight",
-}
+SCALAR_TYPES = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}
 MIN_COMPUTE_CAPABILITY = (8, 0)
 
 
@@ -81,20 +76,30 @@ def cuda_include_dir() -> str:
 
 
 def kernel_name(family: str, dtype: torch.dtype, cfg: KernelConfig) -> str:
-    """The NVRTC name expression of one instantiation."""
-    return f"{FAMILY_KERNELS[family]}<{SCALAR_TYPES[dtype]}, {cfg.template_args()}>"
+    """The NVRTC name expression of one gathered-GEMM instantiation."""
+    scalar = SCALAR_TYPES[dtype]
+    if family == "grad_weight":
+        return f"knnconv::knn_grad_weight<{scalar}, {cfg.template_args()}>"
+    reverse = family == "grad_input"
+    out = "float" if reverse else scalar
+    return (f"knnconv::knn_forward<{scalar}, {out}, {cfg.template_args()}, "
+            f"{'true' if reverse else 'false'}>")
 
 
-_modules: dict[tuple, object] = {}
+def transpose_name(source: torch.dtype, target: torch.dtype) -> str:
+    return f"knnconv::transpose_pad<{SCALAR_TYPES[source]}, {SCALAR_TYPES[target]}>"
+
+
+_modules: dict[tuple[str, int], object] = {}
 _lock = threading.Lock()
 
 
-def get_kernel(family: str, dtype: torch.dtype, cfg: KernelConfig, device_index: int):
-    """The compiled kernel for one (family, dtype, config) on one device, built once.
+def get_kernel(name: str, device_index: int):
+    """The compiled kernel named by an NVRTC name expression, on one device, built once.
 
     Compilation is serialised so that threads asking for the same kernel compile it once.
     """
-    key = (family, dtype, cfg, device_index)
+    key = (name, device_index)
     function = _modules.get(key)
     if function is not None:
         return function
@@ -102,7 +107,6 @@ def get_kernel(family: str, dtype: torch.dtype, cfg: KernelConfig, device_index:
     with _lock:
         function = _modules.get(key)
         if function is None:
-            name = kernel_name(family, dtype, cfg)
             with cupy.cuda.Device(device_index):
                 module = cupy.RawModule(
                     code=KERNEL_SOURCE.read_text(),

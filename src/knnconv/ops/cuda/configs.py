@@ -2,13 +2,16 @@
 
 One KernelConfig describes a CTA of every kernel family as an (M, N, K) tile:
 
-=============  ===================  ===================  =====================
+=============  ===================  ===================  ==========================
 family         M = bm * rb          N = bn               K step = bk
-=============  ===================  ===================  =====================
+=============  ===================  ===================  ==========================
 forward        batch rows           output channels      slots p
-grad_input     batch rows           slots p              output channels
+grad_input     batch rows           input channels       (output node, cell) x Cout
 grad_weight    slots p              output channels      batch rows
-=============  ===================  ===================  =====================
+=============  ===================  ===================  ==========================
+
+grad_input runs the forward kernel over the reversed graph (each input node gathers the
+output nodes that read it), so every dx element is written once, without atomics.
 
 ``rb`` batch sub-tiles of ``bm`` rows share one staged weight tile (the CTA's M extent is
 bm*rb); ``wm`` x ``wn`` warps split the tile, each warp owning (M/wm) x (N/wn) in 16x16
@@ -59,11 +62,7 @@ class KernelConfig(NamedTuple):
 def shared_memory_bytes(family: str, cfg: KernelConfig) -> int:
     """Dynamic shared memory of one CTA: the staged A and B tiles times stages, plus scratch."""
     m, n, k = cfg.tile_m, cfg.bn, cfg.bk
-    a_rows, a_width, b_rows, b_width = {
-        "forward": (k, m, k, n),
-        "grad_input": (k, m, n, k),
-        "grad_weight": (m, k, n, k),
-    }[family]
+    a_rows, a_width, b_rows, b_width = (m, k, n, k) if family == "grad_weight" else (k, m, k, n)
     staged = cfg.ksteps * (a_rows * (a_width + SHARED_PAD) + b_rows * (b_width + SHARED_PAD))
     return staged * ELEMENT_BYTES + cfg.wm * cfg.wn * 16 * 16 * 4
 
@@ -88,9 +87,8 @@ def check_config(family: str, cfg: KernelConfig, *, p64: int | None = None,
         problems.append("ksteps (pipeline stages) must be >= 2")
     if cfg.threads > 1024:
         problems.append("wm*wn*32 threads must not exceed 1024")
-    slot_tile = {"forward": None, "grad_input": cfg.bn, "grad_weight": cfg.tile_m}[family]
-    if slot_tile is not None and p64 is not None and p64 % slot_tile:
-        problems.append(f"the slot tile ({slot_tile}) must divide P64 ({p64})")
+    if family == "grad_weight" and p64 is not None and p64 % cfg.tile_m:
+        problems.append(f"the slot tile bm*rb ({cfg.tile_m}) must divide P64 ({p64})")
     if not problems and shared_memory_bytes(family, cfg) > max_shared_bytes:
         problems.append(f"needs {shared_memory_bytes(family, cfg)} B of shared memory, "
                         f"over the device's {max_shared_bytes} B")
@@ -104,14 +102,14 @@ def _rules() -> dict:
     return json.loads((Path(__file__).with_name("tiles.json")).read_text())
 
 
-def _choose(family: str, batch: int, cout: int, p64: int) -> KernelConfig:
+def _choose(family: str, batch: int, n: int, p64: int) -> KernelConfig:
     for rule in _rules()[family]:
-        if batch > rule.get("max_batch", math.inf) or cout > rule.get("max_cout", math.inf):
+        if batch > rule.get("max_batch", math.inf) or n > rule.get("max_n", math.inf):
             continue
         if p64 % rule.get("p64_multiple_of", 1):
             continue
         return KernelConfig(*rule["config"])
-    raise LookupError(f"tiles.json has no {family} rule for batch={batch}, cout={cout}")
+    raise LookupError(f"tiles.json has no {family} rule for batch={batch}, n={n}")
 
 
 def default_config(batch, cout, p64, dtype=None, nout=None) -> KernelConfig:
@@ -121,9 +119,10 @@ def default_config(batch, cout, p64, dtype=None, nout=None) -> KernelConfig:
     return _choose("forward", batch, cout, p64)
 
 
-def default_grad_input_config(batch, cout) -> KernelConfig:
-    """grad_input geometry: batch-tiled like the forward, slot tile 64."""
-    return _choose("grad_input", batch, cout, SLOT_ALIGN)
+def default_grad_input_config(batch, cin) -> KernelConfig:
+    """grad_input geometry: batch-tiled like the forward, the N tile sized to Cin (the seed's
+    signature took Cout: its dx kernel tiled slots; this one tiles input channels)."""
+    return _choose("grad_input", batch, cin, SLOT_ALIGN)
 
 
 def default_grad_weight_config(batch, cout, p64) -> KernelConfig:

@@ -1,18 +1,20 @@
 """The host path: operand re-layouts, tile padding, grids, and raw-pointer launches.
 
-Everything here runs on PyTorch's current stream of the tensors' device. Kernel arguments go
-to CuPy as raw device pointers (numpy.uint64) and int32 scalars, skipping DLPack export, so
-torch dtypes CuPy lacks (bfloat16) pass untouched.
+Everything runs on PyTorch's current stream of the tensors' device. Kernel arguments go to
+CuPy as raw device pointers (numpy.uint64) and int32/int64 scalars, skipping DLPack export,
+so torch dtypes CuPy lacks (bfloat16) pass untouched. Re-layouts are one transpose_pad
+launch each (transpose, dtype conversion and zero padding fused).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .build import get_kernel, import_cupy
+from .build import get_kernel, import_cupy, kernel_name, transpose_name
 from .configs import (
     KernelConfig,
     check_config,
@@ -25,8 +27,9 @@ from .configs import (
 
 DEFAULT_SHARED_LIMIT = 48 * 1024
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
+TRANSPOSE_TILE, TRANSPOSE_ROWS = 32, 8  # kTransposeTile, kTransposeRows in knn_common.cuh
 
-_external_streams: dict[tuple[int, int], object] = {}
+_streams: dict[tuple[int, int], object] = {}
 _raised_shared_limits: set[int] = set()
 
 
@@ -40,32 +43,146 @@ class _StreamHandle:
         return 0, self.handle
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
+def _current_stream(cupy, device: torch.device):
+    handle = torch.cuda.current_stream(device).cuda_stream
+    stream = _streams.get((device.index, handle))
+    if stream is None:
+        from_external = getattr(cupy.cuda.Stream, "from_external", None)
+        stream = (from_external(_StreamHandle(handle)) if from_external is not None
+                  else cupy.cuda.ExternalStream(handle, device.index))
+        _streams[(device.index, handle)] = stream
+    return stream
+
+
+def _launch(name: str, device: torch.device, grid: tuple, block: tuple, shared: int,
+            args: tuple) -> None:
+    cupy = import_cupy()
+    function = get_kernel(name, device.index)
+    if shared > DEFAULT_SHARED_LIMIT and id(function) not in _raised_shared_limits:
+        function.max_dynamic_shared_size_bytes = shared
+        _raised_shared_limits.add(id(function))
+    with cupy.cuda.Device(device.index):
+        function(grid, block, args, shared_mem=shared, stream=_current_stream(cupy, device))
 
 
 def _pointer(tensor: torch.Tensor | None) -> np.uint64:
     return np.uint64(0 if tensor is None else tensor.data_ptr())
 
 
-def _launch(family: str, cfg: KernelConfig, dtype: torch.dtype, device: torch.device,
-            grid: tuple[int, int, int], args: tuple) -> None:
-    cupy = import_cupy()
-    index = device.index
-    function = get_kernel(family, dtype, cfg, index)
-    shared = shared_memory_bytes(family, cfg)
-    if shared > DEFAULT_SHARED_LIMIT and id(function) not in _raised_shared_limits:
-        function.max_dynamic_shared_size_bytes = shared
-        _raised_shared_limits.add(id(function))
-    handle = torch.cuda.current_stream(device).cuda_stream
-    stream = _external_streams.get((index, handle))
-    if stream is None:
-        from_external = getattr(cupy.cuda.Stream, "from_external", None)
-        stream = (from_external(_StreamHandle(handle)) if from_external is not None
-                  else cupy.cuda.ExternalStream(handle, index))
-        _external_streams[(index, handle)] = stream
-    with cupy.cuda.Device(index):
-        function(grid, (cfg.threads, 1, 1), args, shared_mem=shared, stream=stream)
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _transpose(src: torch.Tensor, dst: torch.Tensor, *, src_extents, src_strides, dst_extents,
+               dst_strides) -> torch.Tensor:
+    """dst[z, c, a] = src[z, a, c], zero wherever (z, a, c) lies past ``src_extents``.
+
+    Extents are (z, a, c); src_strides are the source's (z, a, c) strides and dst_strides the
+    destination's (z, c) strides, in elements (dst's a stride is 1).
+    """
+    dst_z, dst_a, dst_c = dst_extents
+    grid = (-(-dst_c // TRANSPOSE_TILE), -(-dst_a // TRANSPOSE_TILE), dst_z)
+    _launch(transpose_name(src.dtype, dst.dtype), src.device, grid,
+            (TRANSPOSE_TILE, TRANSPOSE_ROWS, 1), 0, (
+                _pointer(src), _pointer(dst), *(np.int32(e) for e in src_extents),
+                *(np.int64(s) for s in src_strides), np.int32(dst_a), np.int32(dst_c),
+                *(np.int64(s) for s in dst_strides),
+            ))
+    return dst
+
+
+@dataclass
+class TransposedInput:
+    """x re-laid out for the kernels: xt [Cin*Nin + 1, bpad], batch contiguous, a zero last row.
+
+    The forward returns it so the backward reuses it instead of re-laying out x again.
+    """
+
+    xt: torch.Tensor
+    batch: int
+    cin: int
+    nin: int
+
+    @property
+    def bpad(self) -> int:
+        return self.xt.shape[1]
+
+    def original(self) -> torch.Tensor:
+        """x [B, Cin, Nin] as a (strided) view of xt."""
+        return self.xt[:-1, : self.batch].t().reshape(self.batch, self.cin, self.nin)
+
+
+def transposed_input(x: torch.Tensor, bpad: int, dtype: torch.dtype) -> TransposedInput:
+    batch, cin, nin = x.shape
+    rows = cin * nin
+    xt = torch.empty(rows + 1, bpad, dtype=dtype, device=x.device)
+    _transpose(x, xt, src_extents=(1, batch, rows), src_strides=(0, x.stride(0), 1),
+               dst_extents=(1, bpad, rows + 1), dst_strides=(0, bpad))
+    return TransposedInput(xt, batch, cin, nin)
+
+
+def _as_transposed(x, bpad: int, dtype: torch.dtype) -> TransposedInput:
+    if isinstance(x, TransposedInput):
+        if x.bpad == bpad and x.xt.dtype == dtype:
+            return x
+        x = x.original()
+    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        x = x.contiguous()
+    return transposed_input(x, bpad, dtype)
+
+
+def transposed_weight(weight: torch.Tensor, cpad: int, dtype: torch.dtype) -> torch.Tensor:
+    """wt [Cin*V, cpad]: output channels contiguous, zero columns past Cout."""
+    cout, q = weight.shape
+    wt = torch.empty(q, cpad, dtype=dtype, device=weight.device)
+    return _transpose(weight, wt, src_extents=(1, cout, q),
+                      src_strides=(0, weight.stride(0), weight.stride(1)),
+                      dst_extents=(1, cpad, q), dst_strides=(0, cpad))
+
+
+def weight_by_cell(weight: torch.Tensor, cin: int, gpad: int, cinpad: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """wr [V, gpad, cinpad] with wr[v, o, c] = W[o, c*V + v], zero past Cout and Cin."""
+    cout, q = weight.shape
+    v = q // cin
+    wr = torch.empty(v, gpad, cinpad, dtype=dtype, device=weight.device)
+    return _transpose(weight, wr, src_extents=(cout, cin, v),
+                      src_strides=(weight.stride(0), v * weight.stride(1), weight.stride(1)),
+                      dst_extents=(gpad, cinpad, v), dst_strides=(cinpad, gpad * cinpad))
+
+
+def transposed_grad(grad_y: torch.Tensor, gpad: int, bpad: int) -> torch.Tensor:
+    """gt [Nout, gpad, bpad]: the batch contiguous, zero past Cout and B (any grad_y strides)."""
+    batch, cout, nout = grad_y.shape
+    gt = torch.empty(nout, gpad, bpad, dtype=grad_y.dtype, device=grad_y.device)
+    sb, so, sn = grad_y.stride()
+    return _transpose(grad_y, gt, src_extents=(cout, batch, nout), src_strides=(so, sb, sn),
+                      dst_extents=(gpad, bpad, nout), dst_strides=(bpad, gpad * bpad))
+
+
+@dataclass
+class ReverseTables:
+    """The reversed graph: input node m is read by the (output node, cell) pairs
+    pair_start[m] <= j < pair_start[m + 1]; padding neighbours are left out."""
+
+    pair_start: torch.Tensor  # int32 [Nin + 1]
+    pair_node: torch.Tensor  # int32 [pairs]
+    pair_cell: torch.Tensor  # int32 [pairs]
+
+
+def reverse_tables(knn_indices: torch.Tensor, rf_index: torch.Tensor, nin: int) -> ReverseTables:
+    k, nout = knn_indices.shape
+    neighbour = knn_indices.t().reshape(-1).long()  # pair order (n, k)
+    real = neighbour != nin
+    neighbour = neighbour[real]
+    node = torch.arange(nout, device=knn_indices.device).repeat_interleave(k)[real]
+    cell = rf_index.reshape(-1).long()[real]
+    order = torch.sort(neighbour, stable=True).indices
+    counts = torch.bincount(neighbour, minlength=nin)
+    start = torch.zeros(nin + 1, dtype=torch.int64, device=knn_indices.device)
+    start[1:] = torch.cumsum(counts, 0)
+    return ReverseTables(start.int(), node[order].int().contiguous(),
+                         cell[order].int().contiguous())
 
 
 def _check_operands(name: str, *tensors: torch.Tensor) -> None:
@@ -92,144 +209,170 @@ def _check_tables(input_linear: torch.Tensor, weight_linear: torch.Tensor,
         raise ValueError("input_linear and weight_linear must have the same shape")
 
 
-def transposed_input(x: torch.Tensor, bpad: int) -> torch.Tensor:
-    """xt [Cin*Nin + 1, bpad]: x with the batch contiguous, plus the zero padding-neighbour row."""
-    batch = x.shape[0]
-    rows = x.shape[1] * x.shape[2]
-    xt = x.new_empty(rows + 1, bpad)
-    xt[:rows, :batch].copy_(x.reshape(batch, rows).t())
-    xt[:rows, batch:].zero_()
-    xt[rows].zero_()
-    return xt
+def padded_batch(batch: int, *configs: tuple[str, KernelConfig], reuse=None) -> int:
+    """The batch padded so every given (family, config)'s batch tile divides it; a saved
+    TransposedInput's padding (``reuse``) is kept when it qualifies, so it need not be rebuilt."""
+    tile = math.lcm(*(cfg.bk if family == "grad_weight" else cfg.tile_m for family, cfg in configs))
+    if isinstance(reuse, TransposedInput) and reuse.bpad % tile == 0:
+        return reuse.bpad
+    return _round_up(batch, tile)
 
 
-def transposed_weight(weight: torch.Tensor, cpad: int, dtype: torch.dtype) -> torch.Tensor:
-    """wt [Cin*V, cpad]: the weight with output channels contiguous, zero columns past Cout."""
-    cout, q = weight.shape
-    wt = torch.empty(q, cpad, dtype=dtype, device=weight.device)
-    wt[:, :cout].copy_(weight.t())
-    wt[:, cout:].zero_()
-    return wt
+def _gemm(family: str, cfg: KernelConfig, dtype: torch.dtype, device: torch.device,
+          grid: tuple, args: tuple) -> None:
+    _launch(kernel_name(family, dtype, cfg), device, grid, (cfg.threads, 1, 1),
+            shared_memory_bytes(family, cfg), args)
 
 
-def transposed_grad(grad_y: torch.Tensor, cpad: int, bpad: int) -> torch.Tensor:
-    """gt [Nout, cpad, bpad]: grad_y with the batch contiguous, zero past Cout and B."""
-    batch, cout, _ = grad_y.shape
-    gt = grad_y.new_empty(grad_y.shape[2], cpad, bpad)
-    gt[:, :cout, :batch].copy_(grad_y.permute(2, 1, 0))
-    gt[:, cout:].zero_()
-    gt[:, :cout, batch:].zero_()
-    return gt
-
-
-def forward(x, weight, bias, input_linear, weight_linear, config=None, *, poison_output=False):
+def forward(x, weight, bias, input_linear, weight_linear, config=None, *, poison_output=False,
+            wt=None, return_transposed=False):
     """y [B, Cout, Nout] (a view of a contiguous [B, Nout, Cout] buffer) in x's dtype.
 
-    x: [B, Cin, Nin] float16/bfloat16; weight: [Cout, Cin*V] (cast to x's dtype); bias: [Cout]
-    or None, added in fp32; input_linear / weight_linear: int32 [Nout, P64], entries equal to
-    Cin*Nin select the zero row. poison_output fills y with NaN first, so an element the
-    kernel fails to write shows.
+    x: [B, Cin, Nin] float16/bfloat16; weight: [Cout, Cin*V] (converted to x's dtype); bias:
+    [Cout] or None, added in fp32; input_linear / weight_linear: int32 [Nout, P64], entries
+    equal to Cin*Nin select the zero row. poison_output fills y with NaN first, so an element
+    the kernel fails to write shows. wt: a prebuilt transposed_weight (cached by the caller).
+    return_transposed: also return the TransposedInput, for the backward.
     """
     _check_operands("forward", x, weight, *(() if bias is None else (bias,)))
     _check_tables(input_linear, weight_linear, x.device)
-    batch, _, _ = x.shape
+    batch, cin, _ = x.shape
     cout = weight.shape[0]
     nout, p64 = input_linear.shape
     cfg = check_config("forward", config or default_config(batch, cout, p64, x.dtype, nout),
                        p64=p64)
-    bpad, cpad = _round_up(batch, cfg.tile_m), _round_up(cout, cfg.bn)
-    xt = transposed_input(x.contiguous(), bpad)
-    wt = transposed_weight(weight, cpad, x.dtype)
-    y = (torch.full if poison_output else torch.empty)(
-        (batch, nout, cout), *((math.nan,) if poison_output else ()), dtype=x.dtype, device=x.device
-    )
-    bias32 = None if bias is None else bias.to(torch.float32).contiguous()
-    _launch("forward", cfg, x.dtype, x.device, (nout, cpad // cfg.bn, bpad // cfg.tile_m), (
-        _pointer(xt), _pointer(wt), _pointer(input_linear), _pointer(weight_linear),
-        _pointer(bias32), _pointer(y), np.int32(batch), np.int32(bpad), np.int32(cout),
-        np.int32(cpad), np.int32(nout), np.int32(p64),
+    bpad = padded_batch(batch, ("forward", cfg),
+                        ("grad_input", default_grad_input_config(batch, cin)),
+                        ("grad_weight", default_grad_weight_config(batch, cout, p64)))
+    cpad = _round_up(cout, cfg.bn)
+    saved = _as_transposed(x, bpad, x.dtype)
+    if wt is None or wt.shape[1] % cfg.bn:
+        wt = transposed_weight(weight, cpad, x.dtype)
+    cpad = wt.shape[1]
+    y = (torch.full((batch, nout, cout), math.nan, dtype=x.dtype, device=x.device)
+         if poison_output else torch.empty(batch, nout, cout, dtype=x.dtype, device=x.device))
+    bias32 = None if bias is None else bias.to(torch.float32)
+    _gemm("forward", cfg, x.dtype, x.device, (nout, cpad // cfg.bn, bpad // cfg.tile_m), (
+        _pointer(saved.xt), _pointer(wt), _pointer(input_linear), _pointer(weight_linear),
+        np.uint64(0), _pointer(bias32), _pointer(y), np.int32(batch), np.int32(bpad),
+        np.int32(cout), np.int32(cpad), np.int32(nout), np.int32(p64), np.int32(0),
     ))
-    return y.transpose(1, 2)
+    y = y.transpose(1, 2)
+    return (y, saved) if return_transposed else y
 
 
-def _launch_grad_input(cfg, gt, wt, input_linear, weight_linear, batch, cin, nin):
-    nout, p64 = input_linear.shape
-    cpad, bpad = gt.shape[1], gt.shape[2]
-    dxt = torch.zeros(cin * nin, bpad, dtype=torch.float32, device=gt.device)
-    _launch("grad_input", cfg, gt.dtype, gt.device, (nout, p64 // cfg.bn, bpad // cfg.tile_m), (
-        _pointer(gt), _pointer(wt), _pointer(input_linear), _pointer(weight_linear),
-        _pointer(dxt), np.int32(batch), np.int32(bpad), np.int32(cpad), np.int32(p64),
-        np.int32(cin * nin),
+def _grad_input_padding(cfg: KernelConfig, cin: int) -> int:
+    return _round_up(cin, cfg.bn)
+
+
+def _launch_grad_input(cfg, gt, wr, reverse: ReverseTables, batch, cin, nin, dtype):
+    gpad, bpad = gt.shape[1], gt.shape[2]
+    cinpad = wr.shape[2]
+    out = torch.empty(batch, nin, cin, dtype=torch.float32, device=gt.device)
+    _gemm("grad_input", cfg, gt.dtype, gt.device, (nin, cinpad // cfg.bn, bpad // cfg.tile_m), (
+        _pointer(gt), _pointer(wr), _pointer(reverse.pair_node), _pointer(reverse.pair_cell),
+        _pointer(reverse.pair_start), np.uint64(0), _pointer(out), np.int32(batch),
+        np.int32(bpad), np.int32(cin), np.int32(cinpad), np.int32(nin), np.int32(0),
+        np.int32(gpad),
     ))
-    return dxt[:, :batch].t().reshape(batch, cin, nin)
+    dx = torch.empty(batch, cin, nin, dtype=dtype, device=gt.device)
+    return _transpose(out, dx, src_extents=(batch, nin, cin), src_strides=(nin * cin, cin, 1),
+                      dst_extents=(batch, nin, cin), dst_strides=(cin * nin, nin))
 
 
-def _launch_grad_weight(cfg, xt, gt, input_linear, weight_linear, q, cout, ksplit):
+def _launch_grad_weight(cfg, saved: TransposedInput, gt, input_linear, weight_linear, q, cout,
+                        ksplit, dtype):
     nout, p64 = input_linear.shape
-    cpad, bpad = gt.shape[1], gt.shape[2]
-    dwt = torch.zeros(q, cpad, dtype=torch.float32, device=gt.device)
+    gpad, bpad = gt.shape[1], gt.shape[2]
+    dwt = torch.zeros(q, gpad, dtype=torch.float32, device=gt.device)
     p_tiles, k_tiles = p64 // cfg.tile_m, bpad // cfg.bk
     if ksplit is None:
-        ksplit = default_grad_weight_ksplit(cfg, bpad, cpad, p64, nout, gt.device.index)
+        ksplit = default_grad_weight_ksplit(cfg, bpad, gpad, p64, nout, gt.device.index)
     per_split = -(-k_tiles // max(1, int(ksplit)))
     splits = -(-k_tiles // per_split)
-    _launch("grad_weight", cfg, gt.dtype, gt.device, (nout, p_tiles * splits, cpad // cfg.bn), (
-        _pointer(xt), _pointer(gt), _pointer(input_linear), _pointer(weight_linear),
-        _pointer(dwt), np.int32(bpad), np.int32(cpad), np.int32(p64),
-        np.int32(xt.shape[0] - 1), np.int32(p_tiles), np.int32(per_split),
+    _gemm("grad_weight", cfg, gt.dtype, gt.device, (nout, p_tiles * splits, gpad // cfg.bn), (
+        _pointer(saved.xt), _pointer(gt), _pointer(input_linear), _pointer(weight_linear),
+        _pointer(dwt), np.int32(bpad), np.int32(gpad), np.int32(p64),
+        np.int32(saved.xt.shape[0] - 1), np.int32(p_tiles), np.int32(per_split),
     ))
-    return dwt[:, :cout].t()
+    dw = torch.empty(cout, q, dtype=dtype, device=gt.device)
+    return _transpose(dwt, dw, src_extents=(1, q, cout), src_strides=(0, gpad, 1),
+                      dst_extents=(1, q, cout), dst_strides=(0, q))
 
 
-def grad_input(grad_y, weight, input_linear, weight_linear, cin, nin, config=None):
-    """dx [B, Cin, Nin] float32: the slot gradients grad_y[:, :, n] @ W_n^T scattered with fp32
-    atomics to the inputs that input_linear names (padding slots are dropped)."""
-    _check_operands("grad_input", grad_y, weight)
+def backward(grad_y, x, weight, input_linear, weight_linear, reverse, cin, nin, q, *,
+             need_input=True, need_weight=True, input_config=None, weight_config=None,
+             ksplit=None, wr=None, grad_dtypes=(torch.float32, torch.float32)):
+    """(dx, dW), either None when not needed, from one grad_y re-layout.
+
+    x: the input [B, Cin, Nin] or the forward's TransposedInput. dx comes from the forward
+    kernel run over the reversed graph (no atomics: each element written once); dW from the
+    slot-tiled kernel with fp32 atomics, the batch split over gridDim.y (ksplit). Both are
+    accumulated in fp32 and converted to grad_dtypes = (dx dtype, dW dtype).
+    """
+    operands = (grad_y, weight) if need_input else (grad_y,)
+    _check_operands("backward", *operands)
     _check_tables(input_linear, weight_linear, grad_y.device)
     batch, cout, _ = grad_y.shape
-    cfg = check_config("grad_input", config or default_grad_input_config(batch, cout),
-                       p64=input_linear.shape[1])
-    bpad, cpad = _round_up(batch, cfg.tile_m), _round_up(cout, cfg.bk)
-    gt = transposed_grad(grad_y, cpad, bpad)
-    wt = transposed_weight(weight, cpad, grad_y.dtype)
-    return _launch_grad_input(cfg, gt, wt, input_linear, weight_linear, batch, cin, nin)
+    p64 = input_linear.shape[1]
+    gi = check_config("grad_input", input_config or default_grad_input_config(batch, cin))
+    gw = check_config("grad_weight", weight_config or default_grad_weight_config(batch, cout, p64),
+                      p64=p64)
+    bpad = padded_batch(batch, ("grad_input", gi), ("grad_weight", gw), reuse=x)
+    gpad = _round_up(cout, math.lcm(gi.bk, gw.bn))
+    gt = transposed_grad(grad_y, gpad, bpad)
+    dx = dw = None
+    if need_input:
+        cinpad = _grad_input_padding(gi, cin)
+        if wr is None or wr.shape[1:] != (gpad, cinpad):
+            wr = weight_by_cell(weight, cin, gpad, cinpad, grad_y.dtype)
+        dx = _launch_grad_input(gi, gt, wr, reverse, batch, cin, nin, grad_dtypes[0])
+    if need_weight:
+        saved = _as_transposed(x, bpad, grad_y.dtype)
+        dw = _launch_grad_weight(gw, saved, gt, input_linear, weight_linear, q, cout, ksplit,
+                                 grad_dtypes[1])
+    return dx, dw
+
+
+def grad_input(grad_y, weight, reverse, cin, nin, config=None):
+    """dx [B, Cin, Nin] float32 (see :func:`backward`; ``reverse`` from :func:`reverse_tables`).
+
+    Unlike the seed's atomic dx kernel this takes the reversed graph, not input_linear /
+    weight_linear: each input node gathers the output nodes that read it."""
+    _check_operands("grad_input", grad_y, weight)
+    batch, cout, _ = grad_y.shape
+    gi = check_config("grad_input", config or default_grad_input_config(batch, cin))
+    bpad = padded_batch(batch, ("grad_input", gi))
+    gpad = _round_up(cout, gi.bk)
+    gt = transposed_grad(grad_y, gpad, bpad)
+    wr = weight_by_cell(weight, cin, gpad, _grad_input_padding(gi, cin), grad_y.dtype)
+    return _launch_grad_input(gi, gt, wr, reverse, batch, cin, nin, torch.float32)
 
 
 def grad_weight(grad_y, x, input_linear, weight_linear, q, config=None, ksplit=None):
     """dW [Cout, Q] float32: A_n^T @ grad_y[:, :, n] accumulated with fp32 atomics into the
-    weight columns weight_linear names. ksplit splits the batch contraction (None: heuristic)."""
-    _check_operands("grad_weight", grad_y, x)
+    weight columns weight_linear names. ksplit splits the batch contraction (None: heuristic).
+    x: [B, Cin, Nin] or the forward's TransposedInput."""
+    _check_operands("grad_weight", grad_y)
     _check_tables(input_linear, weight_linear, grad_y.device)
     batch, cout, _ = grad_y.shape
     p64 = input_linear.shape[1]
-    cfg = check_config("grad_weight", config or default_grad_weight_config(batch, cout, p64),
-                       p64=p64)
-    bpad, cpad = _round_up(batch, cfg.bk), _round_up(cout, cfg.bn)
-    xt = transposed_input(x.to(grad_y.dtype).contiguous(), bpad)
-    gt = transposed_grad(grad_y, cpad, bpad)
-    return _launch_grad_weight(cfg, xt, gt, input_linear, weight_linear, q, cout, ksplit)
-
-
-def backward_combined(grad_y, x, weight, input_linear, weight_linear, cin, nin, q,
-                      input_config=None, weight_config=None, ksplit=None):
-    """(dx, dW) as grad_input + grad_weight, sharing one gt re-layout and one padding choice."""
-    _check_operands("backward_combined", grad_y, x, weight)
-    _check_tables(input_linear, weight_linear, grad_y.device)
-    batch, cout, _ = grad_y.shape
-    p64 = input_linear.shape[1]
-    gi = check_config("grad_input", input_config or default_grad_input_config(batch, cout), p64=p64)
-    gw = check_config("grad_weight", weight_config or default_grad_weight_config(batch, cout, p64),
+    gw = check_config("grad_weight", config or default_grad_weight_config(batch, cout, p64),
                       p64=p64)
-    bpad = _round_up(batch, math.lcm(gi.tile_m, gw.bk))
-    cpad = _round_up(cout, math.lcm(gi.bk, gw.bn))
-    gt = transposed_grad(grad_y, cpad, bpad)
-    wt = transposed_weight(weight, cpad, grad_y.dtype)
-    xt = transposed_input(x.to(grad_y.dtype).contiguous(), bpad)
-    dx = _launch_grad_input(gi, gt, wt, input_linear, weight_linear, batch, cin, nin)
-    dw = _launch_grad_weight(gw, xt, gt, input_linear, weight_linear, q, cout, ksplit)
-    return dx, dw
+    bpad = padded_batch(batch, ("grad_weight", gw), reuse=x)
+    gt = transposed_grad(grad_y, _round_up(cout, gw.bn), bpad)
+    saved = _as_transposed(x, bpad, grad_y.dtype)
+    return _launch_grad_weight(gw, saved, gt, input_linear, weight_linear, q, cout, ksplit,
+                               torch.float32)
+
+
+def backward_combined(grad_y, x, weight, input_linear, weight_linear, reverse, cin, nin, q,
+                      input_config=None, weight_config=None, ksplit=None):
+    """(dx, dW) in float32 from one grad_y re-layout: :func:`backward` with both needed."""
+    return backward(grad_y, x, weight, input_linear, weight_linear, reverse, cin, nin, q,
+                    input_config=input_config, weight_config=weight_config, ksplit=ksplit)
 
 
 def clear_launch_caches() -> None:
-    _external_streams.clear()
+    _streams.clear()
     _raised_shared_limits.clear()

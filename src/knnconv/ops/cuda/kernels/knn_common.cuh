@@ -15,6 +15,8 @@ constexpr int kChunk = 8;
 constexpr int kPad = 8;
 constexpr int kWarp = 32;
 constexpr int kFrag = 16;
+constexpr int kTransposeTile = 32;
+constexpr int kTransposeRows = 8;
 
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -66,6 +68,32 @@ __device__ __forceinline__ __half from_float<__half>(float value) {
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float value) {
   return __float2bfloat16_rn(value);
+}
+
+template <>
+__device__ __forceinline__ float from_float<float>(float value) {
+  return value;
+}
+
+template <typename T>
+__device__ __forceinline__ float to_float(T value) {
+  return static_cast<float>(value);
+}
+
+// Stores kChunk consecutive values (plus bias when given) with 16-byte vector stores.
+template <typename TOut>
+__device__ __forceinline__ void store_chunk(TOut* out, const float* values, const float* bias) {
+  constexpr int kPerVector = 16 / sizeof(TOut);
+#pragma unroll
+  for (int v = 0; v < kChunk; v += kPerVector) {
+    uint4 packed;
+    TOut* scalars = reinterpret_cast<TOut*>(&packed);
+#pragma unroll
+    for (int e = 0; e < kPerVector; ++e) {
+      scalars[e] = from_float<TOut>(values[v + e] + (bias == nullptr ? 0.0f : bias[v + e]));
+    }
+    *reinterpret_cast<uint4*>(out + v) = packed;
+  }
 }
 
 // The software pipeline every kernel runs over its contraction tiles [first, last):

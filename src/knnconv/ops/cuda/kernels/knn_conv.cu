@@ -1,10 +1,12 @@
 // KNN-convolution kernels: one output node per CTA column, gathered operand tiles,
 // tensor-core (wmma) products with fp32 accumulation.
 //
-// Layouts (built by launch.py; every padded extent is a multiple of the tiles using it):
+// Layouts (built by launch.py with transpose_pad; every padded extent is a multiple of the
+// tiles using it):
 //   xt [Cin*Nin + 1, bpad]   x transposed; row Cin*Nin is zeros (the padding neighbour)
 //   wt [Cin*V, cpad]         weight transposed, columns past Cout are zeros
 //   gt [Nout, cpad, bpad]    grad_y with the batch contiguous, rows past Cout are zeros
+//   wr [V, cpad, cinpad]     weight by cell: wr[v, o, c] = W[o, c*V + v]
 // input_linear / weight_linear [Nout, P64] pick, for slot p of node n, the xt row and wt row.
 // Each gathered row is contiguous along the axis that is not gathered, so every tile is
 // staged as whole 16-byte chunks.
@@ -45,24 +47,39 @@ struct WarpTile {
   }
 
   // Hands every accumulator element to emit(row, col, value), row/col relative to the warp's
-  // first fragment, through a 16x16 per-warp scratch. kRowFastest picks which index runs
-  // across consecutive lanes, so the caller's global accesses are the coalesced ones.
-  template <bool kRowFastest, typename Emit>
+  // first fragment, through a 16x16 per-warp scratch; consecutive lanes take consecutive
+  // columns, so the caller's global accesses along a row coalesce.
+  template <typename Emit>
   __device__ void drain(float* scratch, Emit emit) {
     const int lane = threadIdx.x % kWarp;
 #pragma unroll
     for (int i = 0; i < kFragsM; ++i)
 #pragma unroll
       for (int j = 0; j < kFragsN; ++j) {
-        wmma::store_matrix_sync(scratch, acc[i][j], kFrag,
-                                kRowFastest ? wmma::mem_col_major : wmma::mem_row_major);
+        wmma::store_matrix_sync(scratch, acc[i][j], kFrag, wmma::mem_row_major);
         __syncwarp();
 #pragma unroll
         for (int e = lane; e < kFrag * kFrag; e += kWarp) {
-          const int slow = e / kFrag, fast = e % kFrag;
-          const int row = kRowFastest ? fast : slow, col = kRowFastest ? slow : fast;
-          emit(i * kFrag + row, j * kFrag + col, scratch[e]);
+          emit(i * kFrag + e / kFrag, j * kFrag + e % kFrag, scratch[e]);
         }
+        __syncwarp();
+      }
+  }
+
+  // Hands each accumulator row to emit(row, col, values) in chunks of kChunk consecutive
+  // columns (one chunk per lane per fragment), so the caller can store 16 bytes at once.
+  template <typename Emit>
+  __device__ void drain_row_chunks(float* scratch, Emit emit) {
+    static_assert(kFrag * kFrag == kWarp * kChunk, "one chunk per lane per fragment");
+    const int lane = threadIdx.x % kWarp;
+    const int row = lane / (kFrag / kChunk), col = (lane % (kFrag / kChunk)) * kChunk;
+#pragma unroll
+    for (int i = 0; i < kFragsM; ++i)
+#pragma unroll
+      for (int j = 0; j < kFragsN; ++j) {
+        wmma::store_matrix_sync(scratch, acc[i][j], kFrag, wmma::mem_row_major);
+        __syncwarp();
+        emit(i * kFrag + row, j * kFrag + col, scratch + row * kFrag + col);
         __syncwarp();
       }
   }
@@ -81,14 +98,23 @@ struct StageBuffers {
   }
 };
 
-// y[b, n, o] = bias[o] + sum_p xt[in(n,p), b] * wt[w(n,p), o]: M = batch, N = Cout, K = P64.
-template <typename T, int kTileM, int kTileN, int kTileK, int kWarpsM, int kWarpsN, int kStages,
-          bool kAsync>
+// The gathered product of one node: y[b, n, o] = bias[o] + sum_s A[s, b] * B[s, o] with
+// M = batch, N = output channels, K = the node's slots s, every operand row gathered whole.
+//
+// kReverse = false (forward): slot s of node n reads xt row input_rows[n*p64 + s] and wt row
+// weight_rows[n*p64 + s]; every node has p64 slots.
+// kReverse = true (grad_input as a forward over the reversed graph): node n is an input node,
+// its slots run over the (output node, cell) pairs in [pair_start[n], pair_start[n+1]) times
+// `block` channels: slot j*block + o reads gt row input_rows[j]*block + o and Wr row
+// weight_rows[j]*block + o. No atomics: each output element is written once.
+template <typename T, typename TOut, int kTileM, int kTileN, int kTileK, int kWarpsM,
+          int kWarpsN, int kStages, bool kAsync, bool kReverse>
 __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
     knn_forward(const T* __restrict__ xt, const T* __restrict__ wt,
-                const int* __restrict__ input_linear, const int* __restrict__ weight_linear,
-                const float* __restrict__ bias, T* __restrict__ y, int batch, int bpad, int cout,
-                int cpad, int nout, int p64) {
+                const int* __restrict__ input_rows, const int* __restrict__ weight_rows,
+                const int* __restrict__ pair_start, const float* __restrict__ bias,
+                TOut* __restrict__ y, int batch, int bpad, int cout, int cpad, int nout, int p64,
+                int block) {
   constexpr int kThreads = kWarpsM * kWarpsN * kWarp;
   constexpr int kAPitch = kTileM + kPad, kBPitch = kTileN + kPad;
   constexpr int kAElems = kTileK * kAPitch, kBElems = kTileK * kBPitch;
@@ -102,18 +128,37 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
   const int node = blockIdx.x;
   const int o0 = blockIdx.y * kTileN;
   const int b0 = blockIdx.z * kTileM;
-  const int* in_rows = input_linear + static_cast<size_t>(node) * p64;
-  const int* w_rows = weight_linear + static_cast<size_t>(node) * p64;
+  int k_tiles;
+  const int* in_rows;
+  const int* w_rows;
+  if constexpr (kReverse) {
+    const int first_pair = pair_start[node];
+    k_tiles = (pair_start[node + 1] - first_pair) * (block / kTileK);
+    in_rows = input_rows + first_pair;
+    w_rows = weight_rows + first_pair;
+  } else {
+    k_tiles = p64 / kTileK;
+    in_rows = input_rows + static_cast<size_t>(node) * p64;
+    w_rows = weight_rows + static_cast<size_t>(node) * p64;
+  }
+  // Global row of slot k0 + r; in reverse mode a tile never straddles two pairs.
+  auto slot_row = [&](const int* rows, int k0, int r) -> long long {
+    if constexpr (kReverse) {
+      return static_cast<long long>(rows[k0 / block]) * block + k0 % block + r;
+    } else {
+      return rows[k0 + r];
+    }
+  };
 
   tile.zero();
   auto load = [&](int k_tile, int stage) {
     const int k0 = k_tile * kTileK;
     stage_rows<T, kTileK, kTileM, kAPitch, kThreads, kAsync>(
         smem.a + stage * kAElems, xt,
-        [&](int r) { return static_cast<long long>(in_rows[k0 + r]) * bpad + b0; });
+        [&](int r) { return slot_row(in_rows, k0, r) * bpad + b0; });
     stage_rows<T, kTileK, kTileN, kBPitch, kThreads, kAsync>(
         smem.b + stage * kBElems, wt,
-        [&](int r) { return static_cast<long long>(w_rows[k0 + r]) * cpad + o0; });
+        [&](int r) { return slot_row(w_rows, k0, r) * cpad + o0; });
   };
   auto compute = [&](int stage) {
     const T* a = smem.a + stage * kAElems;
@@ -126,72 +171,22 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
           kAPitch, kBPitch);
     }
   };
-  pipeline<kStages>(0, p64 / kTileK, load, compute);
+  pipeline<kStages>(0, k_tiles, load, compute);
 
   const int row0 = b0 + warp_m * Tile::kFragsM * kFrag;
   const int col0 = o0 + warp_n * Tile::kFragsN * kFrag;
-  tile.template drain<false>(smem.scratch, [&](int r, int c, float value) {
+  const bool vector_rows = cout % kChunk == 0;
+  tile.drain_row_chunks(smem.scratch, [&](int r, int c, const float* values) {
     const int b = row0 + r, o = col0 + c;
-    if (b < batch && o < cout) {
-      if (bias != nullptr) value += bias[o];
-      y[(static_cast<size_t>(b) * nout + node) * cout + o] = from_float<T>(value);
+    if (b >= batch || o >= cout) return;
+    TOut* out = y + (static_cast<size_t>(b) * nout + node) * cout + o;
+    if (vector_rows) {  // the whole 8-wide chunk is in range and 16-byte aligned
+      store_chunk(out, values, bias == nullptr ? nullptr : bias + o);
+    } else {
+      for (int e = 0; e < kChunk && o + e < cout; ++e) {
+        out[e] = from_float<TOut>(values[e] + (bias == nullptr ? 0.0f : bias[o + e]));
+      }
     }
-  });
-}
-
-// dxt[in(n,p), b] += sum_o gt[n, o, b] * wt[w(n,p), o]: M = batch, N = slots, K = Cout.
-template <typename T, int kTileM, int kTileN, int kTileK, int kWarpsM, int kWarpsN, int kStages,
-          bool kAsync>
-__global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
-    knn_grad_input(const T* __restrict__ gt, const T* __restrict__ wt,
-                   const int* __restrict__ input_linear, const int* __restrict__ weight_linear,
-                   float* __restrict__ dxt, int batch, int bpad, int cpad, int p64, int pad_row) {
-  constexpr int kThreads = kWarpsM * kWarpsN * kWarp;
-  constexpr int kAPitch = kTileM + kPad, kBPitch = kTileK + kPad;
-  constexpr int kAElems = kTileK * kAPitch, kBElems = kTileN * kBPitch;
-  extern __shared__ __align__(128) unsigned char shared_raw[];
-  const int warp = threadIdx.x / kWarp;
-  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
-  StageBuffers<T, kStages, kAElems, kBElems> smem(shared_raw, warp);
-  WarpTile<T, kTileM, kTileN, kWarpsM, kWarpsN> tile;
-  using Tile = decltype(tile);
-
-  const int node = blockIdx.x;
-  const int p0 = blockIdx.y * kTileN;
-  const int b0 = blockIdx.z * kTileM;
-  const int* in_rows = input_linear + static_cast<size_t>(node) * p64;
-  const int* w_rows = weight_linear + static_cast<size_t>(node) * p64;
-  const T* grad_rows = gt + static_cast<size_t>(node) * cpad * bpad;
-
-  tile.zero();
-  auto load = [&](int k_tile, int stage) {
-    const int k0 = k_tile * kTileK;
-    stage_rows<T, kTileK, kTileM, kAPitch, kThreads, kAsync>(
-        smem.a + stage * kAElems, grad_rows,
-        [&](int r) { return static_cast<long long>(k0 + r) * bpad + b0; });
-    stage_rows<T, kTileN, kTileK, kBPitch, kThreads, kAsync>(
-        smem.b + stage * kBElems, wt,
-        [&](int r) { return static_cast<long long>(w_rows[p0 + r]) * cpad + k0; });
-  };
-  auto compute = [&](int stage) {
-    const T* a = smem.a + stage * kAElems;
-    const T* b = smem.b + stage * kBElems;
-#pragma unroll
-    for (int kk = 0; kk < kTileK; kk += kFrag) {
-      tile.template multiply<wmma::col_major, wmma::col_major>(
-          [&](int i) { return a + kk * kAPitch + (warp_m * Tile::kFragsM + i) * kFrag; },
-          [&](int j) { return b + (warp_n * Tile::kFragsN + j) * kFrag * kBPitch + kk; },
-          kAPitch, kBPitch);
-    }
-  };
-  pipeline<kStages>(0, cpad / kTileK, load, compute);
-
-  const int row0 = b0 + warp_m * Tile::kFragsM * kFrag;
-  const int col0 = p0 + warp_n * Tile::kFragsN * kFrag;
-  tile.template drain<true>(smem.scratch, [&](int r, int c, float value) {
-    const int b = row0 + r;
-    const int row = in_rows[col0 + c];
-    if (b < batch && row != pad_row) atomicAdd(dxt + static_cast<size_t>(row) * bpad + b, value);
   });
 }
 
@@ -250,12 +245,40 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
 
   const int row0 = p0 + warp_m * Tile::kFragsM * kFrag;
   const int col0 = o0 + warp_n * Tile::kFragsN * kFrag;
-  tile.template drain<false>(smem.scratch, [&](int r, int c, float value) {
+  tile.drain(smem.scratch, [&](int r, int c, float value) {
     const int p = row0 + r;
     if (in_rows[p] != pad_row) {
       atomicAdd(dwt + static_cast<size_t>(w_rows[p]) * cpad + col0 + c, value);
     }
   });
+}
+
+// dst[z*dst_stride_z + c*dst_stride_c + a] = src[z*src_stride_z + a*src_stride_a + c*src_stride_c]:
+// a batch
+// of 2-D transposes through a 32x32 shared tile (both sides coalesced), converting the type and
+// writing zeros wherever (z, a, c) lies past the source extents. Grid: (c tiles, a tiles, z).
+template <typename TIn, typename TOut>
+__global__ void __launch_bounds__(kTransposeTile* kTransposeRows)
+    transpose_pad(const TIn* __restrict__ src, TOut* __restrict__ dst, int src_z, int src_a,
+                  int src_c, long long src_stride_z, long long src_stride_a, long long src_stride_c,
+                  int dst_a, int dst_c, long long dst_stride_z, long long dst_stride_c) {
+  __shared__ float tile[kTransposeTile][kTransposeTile + 1];
+  const int c0 = blockIdx.x * kTransposeTile, a0 = blockIdx.y * kTransposeTile;
+  const int z = blockIdx.z;
+  const TIn* src_z_base = src + z * src_stride_z;
+  for (int i = threadIdx.y; i < kTransposeTile; i += kTransposeRows) {
+    const int a = a0 + i, c = c0 + threadIdx.x;
+    const bool inside = z < src_z && a < src_a && c < src_c;
+    tile[i][threadIdx.x] = inside ? to_float(src_z_base[a * src_stride_a + c * src_stride_c]) : 0.0f;
+  }
+  __syncthreads();
+  TOut* dst_z_base = dst + z * dst_stride_z;
+  for (int i = threadIdx.y; i < kTransposeTile; i += kTransposeRows) {
+    const int c = c0 + i, a = a0 + threadIdx.x;
+    if (c < dst_c && a < dst_a) {
+      dst_z_base[c * dst_stride_c + a] = from_float<TOut>(tile[threadIdx.x][i]);
+    }
+  }
 }
 
 }  // namespace knnconv

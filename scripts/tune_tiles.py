@@ -1,0 +1,101 @@
+"""Time each kernel family over candidate tile configs on real layer geometries (GPU).
+
+    python scripts/tune_tiles.py GEOMETRY_DIR OUT.json LAYER_SUBSTR:BATCH [...]
+
+Kernel time only (operands re-laid out beforehand), median of CUDA-event-timed launches;
+the fastest config per (family, cell) is printed and written, for tiles.json.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from knnconv.bench import load_geometry_dir
+from knnconv.ops import cuda as knn_cuda
+from knnconv.ops.cuda import launch
+from knnconv.ops.cuda.configs import KernelConfig, check_config
+
+# (bm, bn, rb, wm, wn): CTA tile (bm*rb) x bn over wm x wn warps.
+TILES = [(64, 128, 2, 2, 4), (64, 64, 2, 4, 2), (64, 128, 1, 2, 4), (64, 256, 2, 2, 4),
+         (64, 64, 1, 2, 2), (32, 128, 1, 1, 4), (64, 32, 2, 4, 1), (64, 16, 2, 4, 1)]
+DEPTHS = [(32, 2), (32, 3), (64, 2), (64, 3)]  # (bk, stages)
+
+
+def candidates(family: str, p64: int):
+    for (bm, bn, rb, wm, wn), (bk, stages) in itertools.product(TILES, DEPTHS):
+        try:
+            yield check_config(family, KernelConfig(bm, bn, bk, rb, wm, wn, stages, True, 8),
+                               p64=p64)
+        except ValueError:
+            continue
+
+
+def time_ms(call, repeats: int = 15) -> float:
+    call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def tune_cell(layer, batch: int) -> list[dict]:
+    plan = layer.plan()
+    device = torch.device("cuda")
+    tables = plan.on(device)
+    reverse = knn_cuda.reverse_tables(tables.knn_indices, tables.rf_index, plan.nin)
+    x = torch.randn(batch, plan.cin, plan.nin, device=device, dtype=torch.float16)
+    weight = torch.randn(plan.cout, plan.q, device=device, dtype=torch.float16)
+    grad_y = torch.randn(batch, plan.cout, plan.nout, device=device, dtype=torch.float16)
+    rows = []
+    for family in ("forward", "grad_input", "grad_weight"):
+        for cfg in candidates(family, plan.p64):
+            if family == "forward":
+                def call(cfg=cfg):
+                    return knn_cuda.forward(x, weight, None, tables.input_linear,
+                                            tables.weight_linear, cfg)
+            else:
+                need_input = family == "grad_input"
+                saved = launch.transposed_input(x, launch.padded_batch(
+                    batch, ("grad_weight", cfg)) if not need_input else 16, torch.float16)
+
+                def call(cfg=cfg, need_input=need_input, saved=saved):
+                    return knn_cuda.backward(
+                        grad_y, saved if not need_input else x, weight, tables.input_linear,
+                        tables.weight_linear, reverse, plan.cin, plan.nin, plan.q,
+                        need_input=need_input, need_weight=not need_input,
+                        **({"input_config": cfg} if need_input else {"weight_config": cfg}))
+            try:
+                ms = time_ms(call)
+            except Exception as exc:  # a config the device cannot launch: record and go on
+                print(f"{family} {tuple(cfg)} failed: {exc}")
+                continue
+            rows.append({"layer": layer.name, "batch": batch, "family": family,
+                         "config": list(cfg), "ms": ms})
+        best = min((r for r in rows if r["family"] == family), key=lambda r: r["ms"])
+        print(f"{layer.name} B={batch} {family}: best {best['config']} {best['ms']:.3f} ms")
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    layers = load_geometry_dir(Path(argv[0]))
+    rows = []
+    for spec in argv[2:]:
+        name, batch = spec.rsplit(":", 1)
+        rows += tune_cell(next(layer for layer in layers if name in layer.name), int(batch))
+    Path(argv[1]).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
