@@ -2,8 +2,9 @@
 
     python scripts/tune_tiles.py GEOMETRY_DIR OUT.json LAYER_SUBSTR:BATCH [...]
 
-Kernel time only (operands re-laid out beforehand), median of CUDA-event-timed launches;
-the fastest config per (family, cell) is printed and written, for tiles.json.
+Median of CUDA-event-timed calls of the family's entry point (the backward ones include the
+grad_y re-layout, the same for every config); the fastest config per (family, cell) is
+printed and written, for tiles.json.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ def tune_cell(layer, batch: int) -> list[dict]:
                                             tables.weight_linear, cfg)
             else:
                 need_input = family == "grad_input"
-                saved = launch.transposed_input(x, launch.padded_batch(
-                    batch, ("grad_weight", cfg)) if not need_input else 16, torch.float16)
+                saved = launch.transposed_input(
+                    x, launch.padded_batch(batch, ("grad_weight", cfg)), torch.float16)
 
                 def call(cfg=cfg, need_input=need_input, saved=saved):
                     return knn_cuda.backward(

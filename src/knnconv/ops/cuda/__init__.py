@@ -184,8 +184,8 @@ class CudaOps(KNNConvOps):
         first = [key for key in keys if self._first_use(key)]
         wr = None
         if need_input:
-            gpad = -(-plan.cout // math.lcm(input_cfg.bk, weight_cfg.bn)) * math.lcm(
-                input_cfg.bk, weight_cfg.bn)
+            tile = input_cfg.bk if not need_weight else math.lcm(input_cfg.bk, weight_cfg.bn)
+            gpad = -(-plan.cout // tile) * tile
             cinpad = -(-plan.cin // input_cfg.bn) * input_cfg.bn
             wr = self.weight_layouts.get(
                 weight, ("wr", gpad, cinpad, grad_y.dtype),

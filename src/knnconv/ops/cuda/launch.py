@@ -318,8 +318,11 @@ def backward(grad_y, x, weight, input_linear, weight_linear, reverse, cin, nin, 
     gi = check_config("grad_input", input_config or default_grad_input_config(batch, cin))
     gw = check_config("grad_weight", weight_config or default_grad_weight_config(batch, cout, p64),
                       p64=p64)
-    bpad = padded_batch(batch, ("grad_input", gi), ("grad_weight", gw), reuse=x)
-    gpad = _round_up(cout, math.lcm(gi.bk, gw.bn))
+    needed = [pair for pair, wanted in ((("grad_input", gi), need_input),
+                                        (("grad_weight", gw), need_weight)) if wanted]
+    bpad = padded_batch(batch, *needed, reuse=x)
+    gpad = _round_up(cout, math.lcm(*(cfg.bk if family == "grad_input" else cfg.bn
+                                      for family, cfg in needed)))
     gt = transposed_grad(grad_y, gpad, bpad)
     dx = dw = None
     if need_input:
