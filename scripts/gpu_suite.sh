@@ -19,7 +19,7 @@ stage() {  # stage NAME COMMAND...: run, log to OUTDIR/NAME.log, remember the st
 }
 stage install python3 -m pip install --no-deps --no-build-isolation -e .
 nvidia-smi >"$out/nvidia-smi.txt" 2>&1
-stage gpu_tests python3 -m pytest tests -m gpu -q -p no:cacheprovider --continue-on-collection-errors
+stage gpu_tests python3 -m pytest tests -m gpu -q -x -p no:cacheprovider
 stage memcheck compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_kernels.py
 stage racecheck compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/sanitize_kernels.py
 stage initcheck compute-sanitizer --tool initcheck --error-exitcode 9 python3 scripts/sanitize_kernels.py

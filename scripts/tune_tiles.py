@@ -24,8 +24,8 @@ from knnconv.ops.cuda.configs import KernelConfig, check_config
 
 # (bm, bn, rb, wm, wn): CTA tile (bm*rb) x bn over wm x wn warps.
 TILES = [(64, 128, 2, 2, 4), (64, 64, 2, 4, 2), (64, 128, 1, 2, 4), (64, 256, 2, 2, 4),
-         (64, 64, 1, 2, 2), (32, 128, 1, 1, 4), (64, 32, 2, 4, 1), (64, 16, 2, 4, 1)]
-DEPTHS = [(32, 2), (32, 3), (64, 2), (64, 3)]  # (bk, stages)
+         (64, 32, 2, 4, 1)]
+DEPTHS = [(32, 2), (32, 3), (64, 3)]  # (bk, stages)
 
 
 def candidates(family: str, p64: int):
