@@ -35,13 +35,15 @@ def run_case(batch, cin, cout, nin, nout, k, v, padding, dtype, generator) -> fl
     reverse = knn_cuda.reverse_tables(tables.knn_indices, tables.rf_index, nin)
     y, saved = knn_cuda.forward(x, weight, None, il, wl, poison_output=True,
                                 return_transposed=True)
-    dx, dw = knn_cuda.backward(grad_y, saved, weight, il, wl, reverse, cin, nin, plan.q)
+    dx, dw = knn_cuda.backward(grad_y, saved, weight, il, wl, reverse, cin, nin, plan.q,
+                               input_algorithm="gather")
+    dx_scattered = knn_cuda.grad_input(grad_y, weight, il, wl, cin, nin)
     reference = knnconv.get_ops("reference")
     y_ref = reference.forward(plan, x.double(), weight.double(), None)
     dx_ref, dw_ref = reference.backward_combined(plan, grad_y.double(), x.double(),
                                                  weight.double())
     return max(float((a.double() - b).norm() / b.norm())
-               for a, b in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)))
+               for a, b in ((y, y_ref), (dx, dx_ref), (dx_scattered, dx_ref), (dw, dw_ref)))
 
 
 def main() -> int:

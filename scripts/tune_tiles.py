@@ -60,22 +60,23 @@ def tune_cell(layer, batch: int) -> list[dict]:
     weight = torch.randn(plan.cout, plan.q, device=device, dtype=torch.float16)
     grad_y = torch.randn(batch, plan.cout, plan.nout, device=device, dtype=torch.float16)
     rows = []
-    for family in ("forward", "grad_input", "grad_weight"):
+    for family in ("forward", "grad_input", "grad_input_scatter", "grad_weight"):
         for cfg in candidates(family, plan.p64):
             if family == "forward":
                 def call(cfg=cfg):
                     return knn_cuda.forward(x, weight, None, tables.input_linear,
                                             tables.weight_linear, cfg)
             else:
-                need_input = family == "grad_input"
+                need_input = family != "grad_weight"
                 saved = launch.transposed_input(
                     x, launch.padded_batch(batch, ("grad_weight", cfg)), torch.float16)
 
-                def call(cfg=cfg, need_input=need_input, saved=saved):
+                def call(cfg=cfg, need_input=need_input, saved=saved, family=family):
                     return knn_cuda.backward(
                         grad_y, saved if not need_input else x, weight, tables.input_linear,
                         tables.weight_linear, reverse, plan.cin, plan.nin, plan.q,
                         need_input=need_input, need_weight=not need_input,
+                        input_algorithm="scatter" if family == "grad_input_scatter" else None,
                         **({"input_config": cfg} if need_input else {"weight_config": cfg}))
             try:
                 ms = time_ms(call)

@@ -52,22 +52,26 @@ def reference(plan, x, weight, bias, grad_y):
 
 
 def check_all_entries(plan, x, weight, bias, grad_y, *, forward_cfg=None, input_cfg=None,
-                      weight_cfg=None, ksplit=None):
+                      weight_cfg=None, ksplit=None, algorithm=None):
     tables = plan.on(DEVICE)
     il, wl = tables.input_linear, tables.weight_linear
     reverse = knn_cuda.reverse_tables(tables.knn_indices, tables.rf_index, plan.nin)
     y_ref, dx_ref, dw_ref = reference(plan, x, weight, bias, grad_y)
     y, saved = knn_cuda.forward(x, weight, bias, il, wl, forward_cfg, poison_output=True,
                                 return_transposed=True)
-    dx = knn_cuda.grad_input(grad_y, weight, reverse, plan.cin, plan.nin, input_cfg)
+    gather = algorithm != "scatter"
+    scatter_cfg = input_cfg if not gather else None
+    gather_cfg = input_cfg if gather else None
+    # Seed-style entries (dx scattered), then the reversed-graph gather.
+    dx = knn_cuda.grad_input(grad_y, weight, il, wl, plan.cin, plan.nin, scatter_cfg)
     dw = knn_cuda.grad_weight(grad_y, x, il, wl, plan.q, weight_cfg, ksplit)
-    dx2, dw2 = knn_cuda.backward_combined(grad_y, x, weight, il, wl, reverse, plan.cin, plan.nin,
-                                          plan.q, input_cfg, weight_cfg, ksplit)
+    dx2, dw2 = knn_cuda.backward_combined(grad_y, x, weight, il, wl, plan.cin, plan.nin, plan.q,
+                                          gather_cfg, weight_cfg, ksplit, reverse=reverse)
     # The forward's re-laid-out input, and grad_y in the transposed layout y itself has.
     strided_grad = grad_y.transpose(1, 2).contiguous().transpose(1, 2)
     dx3, dw3 = knn_cuda.backward(strided_grad, saved, weight, il, wl, reverse, plan.cin, plan.nin,
-                                 plan.q, input_config=input_cfg, weight_config=weight_cfg,
-                                 ksplit=ksplit)
+                                 plan.q, input_algorithm=algorithm, input_config=input_cfg,
+                                 weight_config=weight_cfg, ksplit=ksplit)
     tol = FORWARD_TOLERANCE[x.dtype]
     assert y.shape == (x.shape[0], plan.cout, plan.nout) and y.dtype == x.dtype
     assert not torch.isnan(y).any(), "unwritten (poisoned) forward outputs"
@@ -96,9 +100,10 @@ def test_entries_match_reference_over_sizes(dtype, batch, cout):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("knobs", list(EDGE_GEOMETRIES.values()), ids=list(EDGE_GEOMETRIES))
 @pytest.mark.parametrize("batch", (1, 17, 129))
-def test_entries_match_reference_on_edge_geometries(dtype, knobs, batch):
+@pytest.mark.parametrize("algorithm", ("gather", "scatter"))
+def test_entries_match_reference_on_edge_geometries(dtype, knobs, batch, algorithm):
     case = make_case(batch + len(str(knobs)), batch=batch, cin=5, cout=33, dtype=dtype, **knobs)
-    check_all_entries(*case)
+    check_all_entries(*case, algorithm=algorithm)
 
 
 EXPLICIT = {
@@ -106,6 +111,8 @@ EXPLICIT = {
                 configs.KernelConfig(32, 64, 64, 1, 2, 2, 2, False, 8)],
     "grad_input": [configs.KernelConfig(32, 32, 64, 1, 2, 2, 3, True, 8),
                    configs.KernelConfig(16, 16, 16, 1, 1, 1, 2, False, 8)],
+    "grad_input_scatter": [configs.KernelConfig(32, 32, 64, 1, 2, 2, 3, True, 8),
+                           configs.KernelConfig(16, 16, 16, 1, 1, 1, 2, False, 8)],
     "grad_weight": [configs.KernelConfig(32, 32, 64, 1, 2, 2, 3, True, 8),
                     configs.KernelConfig(16, 64, 16, 1, 1, 2, 2, False, 8)],
 }
@@ -123,11 +130,14 @@ def test_every_config_matches_reference(dtype, family):
         case = make_case(index, batch=70, cin=12, cout=70, dtype=dtype, nin=50, nout=9, k=11,
                          padding=0.2, collisions=True, v=16)
         plan = case[0]
-        if family == "grad_weight" and plan.p64 % cfg.tile_m:
-            continue
+        if family in ("grad_weight", "grad_input_scatter"):
+            slot_tile = cfg.tile_m if family == "grad_weight" else cfg.bn
+            if plan.p64 % slot_tile:
+                continue
         chosen = {"forward": "forward_cfg", "grad_input": "input_cfg",
-                  "grad_weight": "weight_cfg"}[family]
-        check_all_entries(*case, **{chosen: cfg})
+                  "grad_input_scatter": "input_cfg", "grad_weight": "weight_cfg"}[family]
+        algorithm = "scatter" if family == "grad_input_scatter" else None
+        check_all_entries(*case, algorithm=algorithm, **{chosen: cfg})
 
 
 @pytest.mark.parametrize("ksplit", (1, 2, 3, 100))
@@ -141,7 +151,8 @@ def test_grad_input_is_deterministic():
                                            nin=30, nout=30, k=9, padding=0.1)
     tables = plan.on(DEVICE)
     reverse = knn_cuda.reverse_tables(tables.knn_indices, tables.rf_index, plan.nin)
-    runs = [knn_cuda.grad_input(grad_y, weight, reverse, plan.cin, plan.nin) for _ in range(3)]
+    runs = [knn_cuda.grad_input(grad_y, weight, tables.input_linear, tables.weight_linear,
+                                plan.cin, plan.nin, reverse=reverse) for _ in range(3)]
     assert all(torch.equal(runs[0], run) for run in runs[1:])
 
 

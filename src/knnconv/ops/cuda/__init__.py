@@ -9,7 +9,6 @@ the ``torch_compact`` backend when ``backend="auto"`` (and refused by ``backend=
 
 from __future__ import annotations
 
-import math
 import threading
 import weakref
 
@@ -22,7 +21,9 @@ from .build import MIN_COMPUTE_CAPABILITY, clear_modules, cuda_include_dir, impo
 from .configs import (
     KernelConfig,
     default_config,
+    default_grad_input_algorithm,
     default_grad_input_config,
+    default_grad_input_scatter_config,
     default_grad_weight_config,
     default_grad_weight_ksplit,
 )
@@ -30,6 +31,7 @@ from .launch import (
     COMPUTE_DTYPES,
     ReverseTables,
     TransposedInput,
+    _uncached,
     backward,
     backward_combined,
     clear_launch_caches,
@@ -37,13 +39,12 @@ from .launch import (
     grad_input,
     grad_weight,
     reverse_tables,
-    transposed_weight,
-    weight_by_cell,
 )
 
 __all__ = [
     "CudaOps", "KernelConfig", "ReverseTables", "TransposedInput", "backward",
-    "backward_combined", "clear_kernel_cache", "default_config", "default_grad_input_config",
+    "backward_combined", "clear_kernel_cache", "default_config", "default_grad_input_algorithm",
+    "default_grad_input_config", "default_grad_input_scatter_config",
     "default_grad_weight_config", "default_grad_weight_ksplit", "forward", "grad_input",
     "grad_weight", "reverse_tables",
 ]
@@ -156,16 +157,17 @@ class CudaOps(KNNConvOps):
         return plan.derived(device, "cuda.reverse",
                             lambda t: reverse_tables(t.knn_indices, t.rf_index, plan.nin))
 
+    def _cached_layouts(self, weight: torch.Tensor):
+        return lambda kind, build: self.weight_layouts.get(weight, kind, build)
+
     def forward_saving(self, plan, x, weight, bias):
         tables = plan.on(x.device)
         cfg = default_config(x.shape[0], plan.cout, plan.p64, x.dtype, plan.nout)
         key = ("forward", x.dtype, cfg, x.device)
         first = self._first_use(key)
-        cpad = -(-plan.cout // cfg.bn) * cfg.bn
-        wt = self.weight_layouts.get(weight, ("wt", cpad, x.dtype),
-                                     lambda: transposed_weight(weight, cpad, x.dtype))
         y, saved = forward(x, weight, bias, tables.input_linear, tables.weight_linear, cfg,
-                           poison_output=first, wt=wt, return_transposed=True)
+                           poison_output=first, return_transposed=True,
+                           cached=self._cached_layouts(weight))
         if first:
             self._canary(key, y, self._oracle.forward(plan, x, weight, bias))
         return y, saved
@@ -176,30 +178,27 @@ class CudaOps(KNNConvOps):
     def _backward(self, plan, grad_y, x, weight, need_input, need_weight):
         batch = grad_y.shape[0]
         tables = plan.on(grad_y.device)
-        input_cfg = default_grad_input_config(batch, plan.cin)
+        algorithm = default_grad_input_algorithm(plan.cin)
+        input_family, input_cfg = (
+            ("grad_input", default_grad_input_config(batch, plan.cin)) if algorithm == "gather"
+            else ("grad_input_scatter", default_grad_input_scatter_config(batch)))
         weight_cfg = default_grad_weight_config(batch, plan.cout, plan.p64)
         keys = [(family, grad_y.dtype, cfg, grad_y.device) for family, cfg, needed in (
-            ("grad_input", input_cfg, need_input), ("grad_weight", weight_cfg, need_weight))
+            (input_family, input_cfg, need_input), ("grad_weight", weight_cfg, need_weight))
             if needed]
         first = [key for key in keys if self._first_use(key)]
-        wr = None
-        if need_input:
-            tile = input_cfg.bk if not need_weight else math.lcm(input_cfg.bk, weight_cfg.bn)
-            gpad = -(-plan.cout // tile) * tile
-            cinpad = -(-plan.cin // input_cfg.bn) * input_cfg.bn
-            wr = self.weight_layouts.get(
-                weight, ("wr", gpad, cinpad, grad_y.dtype),
-                lambda: weight_by_cell(weight, plan.cin, gpad, cinpad, grad_y.dtype))
         dx, dw = backward(grad_y, x, weight, tables.input_linear, tables.weight_linear,
                           self.reverse(plan, grad_y.device), plan.cin, plan.nin, plan.q,
                           need_input=need_input, need_weight=need_weight,
-                          input_config=input_cfg, weight_config=weight_cfg, wr=wr)
+                          input_algorithm=algorithm, input_config=input_cfg,
+                          weight_config=weight_cfg,
+                          cached=self._cached_layouts(weight) if need_input else _uncached)
         for key in first:
-            original = x.original() if isinstance(x, TransposedInput) else x
-            if key[0] == "grad_input":
-                self._canary(key, dx, self._oracle.grad_input(plan, grad_y, weight))
-            else:
+            if key[0] == "grad_weight":
+                original = x.original() if isinstance(x, TransposedInput) else x
                 self._canary(key, dw, self._oracle.grad_weight(plan, grad_y, original))
+            else:
+                self._canary(key, dx, self._oracle.grad_input(plan, grad_y, weight))
         return dx, dw
 
     def grad_input(self, plan, grad_y, weight):

@@ -78,8 +78,8 @@ def cuda_include_dir() -> str:
 def kernel_name(family: str, dtype: torch.dtype, cfg: KernelConfig) -> str:
     """The NVRTC name expression of one gathered-GEMM instantiation."""
     scalar = SCALAR_TYPES[dtype]
-    if family == "grad_weight":
-        return f"knnconv::knn_grad_weight<{scalar}, {cfg.template_args()}>"
+    if family in ("grad_weight", "grad_input_scatter"):
+        return f"knnconv::knn_{family}<{scalar}, {cfg.template_args()}>"
     reverse = family == "grad_input"
     out = "float" if reverse else scalar
     return (f"knnconv::knn_forward<{scalar}, {out}, {cfg.template_args()}, "

@@ -7,11 +7,15 @@ family         M = bm * rb          N = bn               K step = bk
 =============  ===================  ===================  ==========================
 forward        batch rows           output channels      slots p
 grad_input     batch rows           input channels       (output node, cell) x Cout
+grad_input_    batch rows           slots p              output channels
+scatter
 grad_weight    slots p              output channels      batch rows
 =============  ===================  ===================  ==========================
 
 grad_input runs the forward kernel over the reversed graph (each input node gathers the
-output nodes that read it), so every dx element is written once, without atomics.
+output nodes that read it), so every dx element is written once, without atomics; layers
+with few input channels use grad_input_scatter instead (slot gradients scattered with fp32
+atomics), since the gather's N = Cin tile would be mostly padding there.
 
 ``rb`` batch sub-tiles of ``bm`` rows share one staged weight tile (the CTA's M extent is
 bm*rb); ``wm`` x ``wn`` warps split the tile, each warp owning (M/wm) x (N/wn) in 16x16
@@ -27,7 +31,7 @@ from functools import cache
 from pathlib import Path
 from typing import NamedTuple
 
-FAMILIES = ("forward", "grad_input", "grad_weight")
+FAMILIES = ("forward", "grad_input", "grad_input_scatter", "grad_weight")
 ELEMENT_BYTES = 2
 CHUNK_ELEMENTS = 8
 SHARED_PAD = 8  # must match kPad in kernels/knn_common.cuh
@@ -62,7 +66,8 @@ class KernelConfig(NamedTuple):
 def shared_memory_bytes(family: str, cfg: KernelConfig) -> int:
     """Dynamic shared memory of one CTA: the staged A and B tiles times stages, plus scratch."""
     m, n, k = cfg.tile_m, cfg.bn, cfg.bk
-    a_rows, a_width, b_rows, b_width = (m, k, n, k) if family == "grad_weight" else (k, m, k, n)
+    a_rows, a_width, b_rows, b_width = {
+        "grad_weight": (m, k, n, k), "grad_input_scatter": (k, m, n, k)}.get(family, (k, m, k, n))
     staged = cfg.ksteps * (a_rows * (a_width + SHARED_PAD) + b_rows * (b_width + SHARED_PAD))
     return staged * ELEMENT_BYTES + cfg.wm * cfg.wn * 16 * 16 * 4
 
@@ -87,8 +92,9 @@ def check_config(family: str, cfg: KernelConfig, *, p64: int | None = None,
         problems.append("ksteps (pipeline stages) must be >= 2")
     if cfg.threads > 1024:
         problems.append("wm*wn*32 threads must not exceed 1024")
-    if family == "grad_weight" and p64 is not None and p64 % cfg.tile_m:
-        problems.append(f"the slot tile bm*rb ({cfg.tile_m}) must divide P64 ({p64})")
+    slot_tile = {"grad_weight": cfg.tile_m, "grad_input_scatter": cfg.bn}.get(family)
+    if slot_tile is not None and p64 is not None and p64 % slot_tile:
+        problems.append(f"the slot tile ({slot_tile}) must divide P64 ({p64})")
     if not problems and shared_memory_bytes(family, cfg) > max_shared_bytes:
         problems.append(f"needs {shared_memory_bytes(family, cfg)} B of shared memory, "
                         f"over the device's {max_shared_bytes} B")
@@ -123,6 +129,16 @@ def default_grad_input_config(batch, cin) -> KernelConfig:
     """grad_input geometry: batch-tiled like the forward, the N tile sized to Cin (the seed's
     signature took Cout: its dx kernel tiled slots; this one tiles input channels)."""
     return _choose("grad_input", batch, cin, SLOT_ALIGN)
+
+
+def default_grad_input_algorithm(cin: int) -> str:
+    """'scatter' (grad_input_scatter) below tiles.json's scatter_below_cin, else 'gather'."""
+    return "scatter" if cin < _rules()["scatter_below_cin"] else "gather"
+
+
+def default_grad_input_scatter_config(batch) -> KernelConfig:
+    """grad_input_scatter geometry: batch-tiled like the forward, slot tile 64."""
+    return _choose("grad_input_scatter", batch, SLOT_ALIGN, SLOT_ALIGN)
 
 
 def default_grad_weight_config(batch, cout, p64) -> KernelConfig:

@@ -19,7 +19,9 @@ from .configs import (
     KernelConfig,
     check_config,
     default_config,
+    default_grad_input_algorithm,
     default_grad_input_config,
+    default_grad_input_scatter_config,
     default_grad_weight_config,
     default_grad_weight_ksplit,
     shared_memory_bytes,
@@ -209,6 +211,10 @@ def _check_tables(input_linear: torch.Tensor, weight_linear: torch.Tensor,
         raise ValueError("input_linear and weight_linear must have the same shape")
 
 
+def _uncached(kind: tuple, build):
+    return build()
+
+
 def padded_batch(batch: int, *configs: tuple[str, KernelConfig], reuse=None) -> int:
     """The batch padded so every given (family, config)'s batch tile divides it; a saved
     TransposedInput's padding (``reuse``) is kept when it qualifies, so it need not be rebuilt."""
@@ -225,14 +231,14 @@ def _gemm(family: str, cfg: KernelConfig, dtype: torch.dtype, device: torch.devi
 
 
 def forward(x, weight, bias, input_linear, weight_linear, config=None, *, poison_output=False,
-            wt=None, return_transposed=False):
+            return_transposed=False, cached=_uncached):
     """y [B, Cout, Nout] (a view of a contiguous [B, Nout, Cout] buffer) in x's dtype.
 
     x: [B, Cin, Nin] float16/bfloat16; weight: [Cout, Cin*V] (converted to x's dtype); bias:
     [Cout] or None, added in fp32; input_linear / weight_linear: int32 [Nout, P64], entries
     equal to Cin*Nin select the zero row. poison_output fills y with NaN first, so an element
-    the kernel fails to write shows. wt: a prebuilt transposed_weight (cached by the caller).
-    return_transposed: also return the TransposedInput, for the backward.
+    the kernel fails to write shows. return_transposed: also return the TransposedInput, for
+    the backward. cached(kind, build): where the caller keeps weight re-layouts.
     """
     _check_operands("forward", x, weight, *(() if bias is None else (bias,)))
     _check_tables(input_linear, weight_linear, x.device)
@@ -241,14 +247,10 @@ def forward(x, weight, bias, input_linear, weight_linear, config=None, *, poison
     nout, p64 = input_linear.shape
     cfg = check_config("forward", config or default_config(batch, cout, p64, x.dtype, nout),
                        p64=p64)
-    bpad = padded_batch(batch, ("forward", cfg),
-                        ("grad_input", default_grad_input_config(batch, cin)),
-                        ("grad_weight", default_grad_weight_config(batch, cout, p64)))
+    bpad = padded_batch(batch, ("forward", cfg), *_default_backward_tiles(batch, cin, cout, p64))
     cpad = _round_up(cout, cfg.bn)
     saved = _as_transposed(x, bpad, x.dtype)
-    if wt is None or wt.shape[1] % cfg.bn:
-        wt = transposed_weight(weight, cpad, x.dtype)
-    cpad = wt.shape[1]
+    wt = cached(("wt", cpad, x.dtype), lambda: transposed_weight(weight, cpad, x.dtype))
     y = (torch.full((batch, nout, cout), math.nan, dtype=x.dtype, device=x.device)
          if poison_output else torch.empty(batch, nout, cout, dtype=x.dtype, device=x.device))
     bias32 = None if bias is None else bias.to(torch.float32)
@@ -261,8 +263,13 @@ def forward(x, weight, bias, input_linear, weight_linear, config=None, *, poison
     return (y, saved) if return_transposed else y
 
 
-def _grad_input_padding(cfg: KernelConfig, cin: int) -> int:
-    return _round_up(cin, cfg.bn)
+def _default_backward_tiles(batch: int, cin: int, cout: int, p64: int):
+    """The (family, config) pairs a default backward of this call would run."""
+    if default_grad_input_algorithm(cin) == "scatter":
+        grad_input_tiles = ("grad_input_scatter", default_grad_input_scatter_config(batch))
+    else:
+        grad_input_tiles = ("grad_input", default_grad_input_config(batch, cin))
+    return grad_input_tiles, ("grad_weight", default_grad_weight_config(batch, cout, p64))
 
 
 def _launch_grad_input(cfg, gt, wr, reverse: ReverseTables, batch, cin, nin, dtype):
@@ -278,6 +285,20 @@ def _launch_grad_input(cfg, gt, wr, reverse: ReverseTables, batch, cin, nin, dty
     dx = torch.empty(batch, cin, nin, dtype=dtype, device=gt.device)
     return _transpose(out, dx, src_extents=(batch, nin, cin), src_strides=(nin * cin, cin, 1),
                       dst_extents=(batch, nin, cin), dst_strides=(cin * nin, nin))
+
+
+def _launch_grad_input_scatter(cfg, gt, wt, input_linear, weight_linear, batch, cin, nin, dtype):
+    nout, p64 = input_linear.shape
+    gpad, bpad = gt.shape[1], gt.shape[2]
+    dxt = torch.zeros(cin * nin, bpad, dtype=torch.float32, device=gt.device)
+    _gemm("grad_input_scatter", cfg, gt.dtype, gt.device,
+          (nout, p64 // cfg.bn, bpad // cfg.tile_m), (
+              _pointer(gt), _pointer(wt), _pointer(input_linear), _pointer(weight_linear),
+              _pointer(dxt), np.int32(batch), np.int32(bpad), np.int32(gpad),
+              np.int32(wt.shape[1]), np.int32(p64), np.int32(cin * nin)))
+    dx = torch.empty(batch, cin, nin, dtype=dtype, device=gt.device)
+    return _transpose(dxt, dx, src_extents=(1, cin * nin, batch), src_strides=(0, bpad, 1),
+                      dst_extents=(1, cin * nin, batch), dst_strides=(0, cin * nin))
 
 
 def _launch_grad_weight(cfg, saved: TransposedInput, gt, input_linear, weight_linear, q, cout,
@@ -301,78 +322,80 @@ def _launch_grad_weight(cfg, saved: TransposedInput, gt, input_linear, weight_li
 
 
 def backward(grad_y, x, weight, input_linear, weight_linear, reverse, cin, nin, q, *,
-             need_input=True, need_weight=True, input_config=None, weight_config=None,
-             ksplit=None, wr=None, grad_dtypes=(torch.float32, torch.float32)):
+             need_input=True, need_weight=True, input_algorithm=None, input_config=None,
+             weight_config=None, ksplit=None, grad_dtypes=(torch.float32, torch.float32),
+             cached=_uncached):
     """(dx, dW), either None when not needed, from one grad_y re-layout.
 
     x: the input [B, Cin, Nin] or the forward's TransposedInput. dx comes from the forward
-    kernel run over the reversed graph (no atomics: each element written once); dW from the
-    slot-tiled kernel with fp32 atomics, the batch split over gridDim.y (ksplit). Both are
-    accumulated in fp32 and converted to grad_dtypes = (dx dtype, dW dtype).
+    kernel run over the reversed graph (input_algorithm 'gather': no atomics, each element
+    written once) or, for few input channels, from slot gradients scattered with fp32 atomics
+    ('scatter'; None picks by Cin). dW comes from the slot-tiled kernel with fp32 atomics, the
+    batch split over gridDim.y (ksplit). Both accumulate in fp32 and are converted to
+    grad_dtypes = (dx dtype, dW dtype). cached(kind, build): where weight re-layouts are kept.
     """
-    operands = (grad_y, weight) if need_input else (grad_y,)
-    _check_operands("backward", *operands)
+    _check_operands("backward", *((grad_y, weight) if need_input else (grad_y,)))
     _check_tables(input_linear, weight_linear, grad_y.device)
     batch, cout, _ = grad_y.shape
     p64 = input_linear.shape[1]
-    gi = check_config("grad_input", input_config or default_grad_input_config(batch, cin))
+    algorithm = input_algorithm or default_grad_input_algorithm(cin)
+    if algorithm not in ("gather", "scatter"):
+        raise ValueError(f"input_algorithm must be 'gather' or 'scatter', got {algorithm!r}")
+    input_family = "grad_input" if algorithm == "gather" else "grad_input_scatter"
+    gi = check_config(input_family, input_config or (
+        default_grad_input_config(batch, cin) if algorithm == "gather"
+        else default_grad_input_scatter_config(batch)), p64=p64)
     gw = check_config("grad_weight", weight_config or default_grad_weight_config(batch, cout, p64),
                       p64=p64)
-    needed = [pair for pair, wanted in ((("grad_input", gi), need_input),
+    needed = [pair for pair, wanted in (((input_family, gi), need_input),
                                         (("grad_weight", gw), need_weight)) if wanted]
     bpad = padded_batch(batch, *needed, reuse=x)
-    gpad = _round_up(cout, math.lcm(*(cfg.bk if family == "grad_input" else cfg.bn
+    gpad = _round_up(cout, math.lcm(*(cfg.bn if family == "grad_weight" else cfg.bk
                                       for family, cfg in needed)))
     gt = transposed_grad(grad_y, gpad, bpad)
     dx = dw = None
-    if need_input:
-        cinpad = _grad_input_padding(gi, cin)
-        if wr is None or wr.shape[1:] != (gpad, cinpad):
-            wr = weight_by_cell(weight, cin, gpad, cinpad, grad_y.dtype)
+    dtype = grad_y.dtype
+    if need_input and algorithm == "gather":
+        cinpad = _round_up(cin, gi.bn)
+        wr = cached(("wr", gpad, cinpad, dtype),
+                    lambda: weight_by_cell(weight, cin, gpad, cinpad, dtype))
         dx = _launch_grad_input(gi, gt, wr, reverse, batch, cin, nin, grad_dtypes[0])
+    elif need_input:
+        wt = cached(("wt", gpad, dtype), lambda: transposed_weight(weight, gpad, dtype))
+        dx = _launch_grad_input_scatter(gi, gt, wt, input_linear, weight_linear, batch, cin,
+                                        nin, grad_dtypes[0])
     if need_weight:
-        saved = _as_transposed(x, bpad, grad_y.dtype)
+        saved = _as_transposed(x, bpad, dtype)
         dw = _launch_grad_weight(gw, saved, gt, input_linear, weight_linear, q, cout, ksplit,
                                  grad_dtypes[1])
     return dx, dw
 
 
-def grad_input(grad_y, weight, reverse, cin, nin, config=None):
-    """dx [B, Cin, Nin] float32 (see :func:`backward`; ``reverse`` from :func:`reverse_tables`).
-
-    Unlike the seed's atomic dx kernel this takes the reversed graph, not input_linear /
-    weight_linear: each input node gathers the output nodes that read it."""
-    _check_operands("grad_input", grad_y, weight)
-    batch, cout, _ = grad_y.shape
-    gi = check_config("grad_input", config or default_grad_input_config(batch, cin))
-    bpad = padded_batch(batch, ("grad_input", gi))
-    gpad = _round_up(cout, gi.bk)
-    gt = transposed_grad(grad_y, gpad, bpad)
-    wr = weight_by_cell(weight, cin, gpad, _grad_input_padding(gi, cin), grad_y.dtype)
-    return _launch_grad_input(gi, gt, wr, reverse, batch, cin, nin, torch.float32)
+def grad_input(grad_y, weight, input_linear, weight_linear, cin, nin, config=None, *,
+               reverse=None):
+    """dx [B, Cin, Nin] float32 (see :func:`backward`). Without ``reverse`` (from
+    :func:`reverse_tables`) the slot gradients are scattered with atomics, as in the seed
+    design; with it, each input node gathers them (atomic-free)."""
+    return backward(grad_y, None, weight, input_linear, weight_linear, reverse, cin, nin, 0,
+                    need_weight=False, input_algorithm="scatter" if reverse is None else None,
+                    input_config=config)[0]
 
 
 def grad_weight(grad_y, x, input_linear, weight_linear, q, config=None, ksplit=None):
     """dW [Cout, Q] float32: A_n^T @ grad_y[:, :, n] accumulated with fp32 atomics into the
     weight columns weight_linear names. ksplit splits the batch contraction (None: heuristic).
     x: [B, Cin, Nin] or the forward's TransposedInput."""
-    _check_operands("grad_weight", grad_y)
-    _check_tables(input_linear, weight_linear, grad_y.device)
-    batch, cout, _ = grad_y.shape
-    p64 = input_linear.shape[1]
-    gw = check_config("grad_weight", config or default_grad_weight_config(batch, cout, p64),
-                      p64=p64)
-    bpad = padded_batch(batch, ("grad_weight", gw), reuse=x)
-    gt = transposed_grad(grad_y, _round_up(cout, gw.bn), bpad)
-    saved = _as_transposed(x, bpad, grad_y.dtype)
-    return _launch_grad_weight(gw, saved, gt, input_linear, weight_linear, q, cout, ksplit,
-                               torch.float32)
+    cin, nin = (x.cin, x.nin) if isinstance(x, TransposedInput) else x.shape[1:]
+    return backward(grad_y, x, None, input_linear, weight_linear, None, cin, nin, q,
+                    need_input=False, weight_config=config, ksplit=ksplit)[1]
 
 
-def backward_combined(grad_y, x, weight, input_linear, weight_linear, reverse, cin, nin, q,
-                      input_config=None, weight_config=None, ksplit=None):
-    """(dx, dW) in float32 from one grad_y re-layout: :func:`backward` with both needed."""
+def backward_combined(grad_y, x, weight, input_linear, weight_linear, cin, nin, q,
+                      input_config=None, weight_config=None, ksplit=None, *, reverse=None):
+    """(dx, dW) in float32 from one grad_y re-layout: :func:`backward` with both needed
+    (dx by scatter without ``reverse``, as in :func:`grad_input`)."""
     return backward(grad_y, x, weight, input_linear, weight_linear, reverse, cin, nin, q,
+                    input_algorithm="scatter" if reverse is None else None,
                     input_config=input_config, weight_config=weight_config, ksplit=ksplit)
 
 

@@ -47,20 +47,23 @@ struct WarpTile {
   }
 
   // Hands every accumulator element to emit(row, col, value), row/col relative to the warp's
-  // first fragment, through a 16x16 per-warp scratch; consecutive lanes take consecutive
-  // columns, so the caller's global accesses along a row coalesce.
-  template <typename Emit>
+  // first fragment, through a 16x16 per-warp scratch. kRowFastest picks which index runs
+  // across consecutive lanes, so the caller's global accesses are the coalesced ones.
+  template <bool kRowFastest, typename Emit>
   __device__ void drain(float* scratch, Emit emit) {
     const int lane = threadIdx.x % kWarp;
 #pragma unroll
     for (int i = 0; i < kFragsM; ++i)
 #pragma unroll
       for (int j = 0; j < kFragsN; ++j) {
-        wmma::store_matrix_sync(scratch, acc[i][j], kFrag, wmma::mem_row_major);
+        wmma::store_matrix_sync(scratch, acc[i][j], kFrag,
+                                kRowFastest ? wmma::mem_col_major : wmma::mem_row_major);
         __syncwarp();
 #pragma unroll
         for (int e = lane; e < kFrag * kFrag; e += kWarp) {
-          emit(i * kFrag + e / kFrag, j * kFrag + e % kFrag, scratch[e]);
+          const int slow = e / kFrag, fast = e % kFrag;
+          emit(i * kFrag + (kRowFastest ? fast : slow), j * kFrag + (kRowFastest ? slow : fast),
+               scratch[e]);
         }
         __syncwarp();
       }
@@ -190,6 +193,65 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
   });
 }
 
+// dxt[in(n,p), b] += sum_o gt[n, o, b] * wt[w(n,p), o]: M = batch, N = slots, K = Cout, the
+// slot gradients scattered with fp32 atomics. Chosen over the reversed-graph gather for layers
+// with few input channels, where the gather's N = Cin tile would be mostly padding.
+template <typename T, int kTileM, int kTileN, int kTileK, int kWarpsM, int kWarpsN, int kStages,
+          bool kAsync>
+__global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
+    knn_grad_input_scatter(const T* __restrict__ gt, const T* __restrict__ wt,
+                           const int* __restrict__ input_linear,
+                           const int* __restrict__ weight_linear, float* __restrict__ dxt,
+                           int batch, int bpad, int gpad, int wpad, int p64, int pad_row) {
+  constexpr int kThreads = kWarpsM * kWarpsN * kWarp;
+  constexpr int kAPitch = kTileM + kPad, kBPitch = kTileK + kPad;
+  constexpr int kAElems = kTileK * kAPitch, kBElems = kTileN * kBPitch;
+  extern __shared__ __align__(128) unsigned char shared_raw[];
+  const int warp = threadIdx.x / kWarp;
+  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
+  StageBuffers<T, kStages, kAElems, kBElems> smem(shared_raw, warp);
+  WarpTile<T, kTileM, kTileN, kWarpsM, kWarpsN> tile;
+  using Tile = decltype(tile);
+
+  const int node = blockIdx.x;
+  const int p0 = blockIdx.y * kTileN;
+  const int b0 = blockIdx.z * kTileM;
+  const int* in_rows = input_linear + static_cast<size_t>(node) * p64;
+  const int* w_rows = weight_linear + static_cast<size_t>(node) * p64;
+  const T* grad_rows = gt + static_cast<size_t>(node) * gpad * bpad;
+
+  tile.zero();
+  auto load = [&](int k_tile, int stage) {
+    const int k0 = k_tile * kTileK;
+    stage_rows<T, kTileK, kTileM, kAPitch, kThreads, kAsync>(
+        smem.a + stage * kAElems, grad_rows,
+        [&](int r) { return static_cast<long long>(k0 + r) * bpad + b0; });
+    stage_rows<T, kTileN, kTileK, kBPitch, kThreads, kAsync>(
+        smem.b + stage * kBElems, wt,
+        [&](int r) { return static_cast<long long>(w_rows[p0 + r]) * wpad + k0; });
+  };
+  auto compute = [&](int stage) {
+    const T* a = smem.a + stage * kAElems;
+    const T* b = smem.b + stage * kBElems;
+#pragma unroll
+    for (int kk = 0; kk < kTileK; kk += kFrag) {
+      tile.template multiply<wmma::col_major, wmma::col_major>(
+          [&](int i) { return a + kk * kAPitch + (warp_m * Tile::kFragsM + i) * kFrag; },
+          [&](int j) { return b + (warp_n * Tile::kFragsN + j) * kFrag * kBPitch + kk; },
+          kAPitch, kBPitch);
+    }
+  };
+  pipeline<kStages>(0, gpad / kTileK, load, compute);
+
+  const int row0 = b0 + warp_m * Tile::kFragsM * kFrag;
+  const int col0 = p0 + warp_n * Tile::kFragsN * kFrag;
+  tile.template drain<true>(smem.scratch, [&](int r, int c, float value) {
+    const int b = row0 + r;
+    const int row = in_rows[col0 + c];
+    if (b < batch && row != pad_row) atomicAdd(dxt + static_cast<size_t>(row) * bpad + b, value);
+  });
+}
+
 // dwt[w(n,p), o] += sum_b xt[in(n,p), b] * gt[n, o, b]: M = slots, N = Cout, K = batch,
 // the batch split into gridDim.y / p_tiles slices of k_tiles_per_split tiles each.
 template <typename T, int kTileM, int kTileN, int kTileK, int kWarpsM, int kWarpsN, int kStages,
@@ -245,7 +307,7 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
 
   const int row0 = p0 + warp_m * Tile::kFragsM * kFrag;
   const int col0 = o0 + warp_n * Tile::kFragsN * kFrag;
-  tile.drain(smem.scratch, [&](int r, int c, float value) {
+  tile.template drain<false>(smem.scratch, [&](int r, int c, float value) {
     const int p = row0 + r;
     if (in_rows[p] != pad_row) {
       atomicAdd(dwt + static_cast<size_t>(w_rows[p]) * cpad + col0 + c, value);
