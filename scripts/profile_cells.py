@@ -2,10 +2,15 @@
 and the host wall time per call, for a few geometry cells.
 
     python scripts/profile_cells.py GEOMETRY_DIR LAYER_SUBSTR:BATCH [...]
+
+With KNNCONV_CPROFILE=1 it also prints the host-side Python profile of the training step.
 """
 
 from __future__ import annotations
 
+import cProfile
+import os
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -50,6 +55,14 @@ def profile_cell(layer, batch: int, backend: str = "cuda") -> None:
         for _ in range(5):
             step()
         torch.cuda.synchronize()
+    if os.environ.get("KNNCONV_CPROFILE"):
+        host = cProfile.Profile()
+        host.enable()
+        for _ in range(100):
+            step()
+        host.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(host).sort_stats("tottime").print_stats(22)
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
                                       max_name_column_width=70)
     print(table)
