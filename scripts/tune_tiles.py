@@ -23,7 +23,7 @@ from knnconv.ops.cuda import launch
 from knnconv.ops.cuda.configs import KernelConfig, check_config
 
 # (bm, bn, rb, wm, wn): CTA tile (bm*rb) x bn over wm x wn warps.
-TILES = [(64, 128, 2, 2, 4), (64, 64, 2, 4, 2), (64, 128, 1, 2, 4), (64, 256, 2, 2, 4),
+TILES = [(64, 128, 2, 2, 4), (64, 64, 2, 4, 2), (64, 128, 1, 2, 4), (64, 256, 2, 4, 4),
          (64, 32, 2, 4, 1)]
 DEPTHS = [(32, 2), (32, 3), (64, 3)]  # (bk, stages)
 

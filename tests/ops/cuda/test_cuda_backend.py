@@ -52,14 +52,14 @@ def reference(plan, x, weight, bias, grad_y):
 
 
 def check_all_entries(plan, x, weight, bias, grad_y, *, forward_cfg=None, input_cfg=None,
-                      weight_cfg=None, ksplit=None, algorithm=None):
+                      weight_cfg=None, ksplit=None, algorithm="gather"):
     tables = plan.on(DEVICE)
     il, wl = tables.input_linear, tables.weight_linear
     reverse = knn_cuda.reverse_tables(tables.knn_indices, tables.rf_index, plan.nin)
     y_ref, dx_ref, dw_ref = reference(plan, x, weight, bias, grad_y)
     y, saved = knn_cuda.forward(x, weight, bias, il, wl, forward_cfg, poison_output=True,
                                 return_transposed=True)
-    gather = algorithm != "scatter"
+    gather = algorithm == "gather"
     scatter_cfg = input_cfg if not gather else None
     gather_cfg = input_cfg if gather else None
     # Seed-style entries (dx scattered), then the reversed-graph gather.
@@ -136,7 +136,7 @@ def test_every_config_matches_reference(dtype, family):
                 continue
         chosen = {"forward": "forward_cfg", "grad_input": "input_cfg",
                   "grad_input_scatter": "input_cfg", "grad_weight": "weight_cfg"}[family]
-        algorithm = "scatter" if family == "grad_input_scatter" else None
+        algorithm = "scatter" if family == "grad_input_scatter" else "gather"
         check_all_entries(*case, algorithm=algorithm, **{chosen: cfg})
 
 

@@ -112,7 +112,7 @@ def _choose(family: str, batch: int, n: int, p64: int) -> KernelConfig:
     for rule in _rules()[family]:
         if batch > rule.get("max_batch", math.inf) or n > rule.get("max_n", math.inf):
             continue
-        if p64 % rule.get("p64_multiple_of", 1):
+        if p64 % rule.get("p64_multiple_of", 1) or n % rule.get("n_multiple_of", 1):
             continue
         return KernelConfig(*rule["config"])
     raise LookupError(f"tiles.json has no {family} rule for batch={batch}, n={n}")

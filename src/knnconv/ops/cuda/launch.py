@@ -1,14 +1,16 @@
 """The host path: operand re-layouts, tile padding, grids, and raw-pointer launches.
 
 Everything runs on PyTorch's current stream of the tensors' device. Kernel arguments go to
-CuPy as raw device pointers (numpy.uint64) and int32/int64 scalars, skipping DLPack export,
-so torch dtypes CuPy lacks (bfloat16) pass untouched. Re-layouts are one transpose_pad
+cuLaunchKernel (through CuPy's driver binding) as raw device pointers and integers, skipping
+DLPack export and CuPy's argument handling, so torch dtypes CuPy lacks (bfloat16) pass
+untouched. Re-layouts are one transpose_pad
 launch each (transpose, dtype conversion and zero padding fused).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,44 +33,48 @@ DEFAULT_SHARED_LIMIT = 48 * 1024
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
 TRANSPOSE_TILE, TRANSPOSE_ROWS = 32, 8  # kTransposeTile, kTransposeRows in knn_common.cuh
 
-_streams: dict[tuple[int, int], object] = {}
+MAX_KERNEL_ARGS = 16
 _raised_shared_limits: set[int] = set()
+_thread_state = threading.local()
 
 
-class _StreamHandle:
-    """A raw stream handle in the CUDA stream protocol, for cupy.cuda.Stream.from_external."""
-
-    def __init__(self, handle: int) -> None:
-        self.handle = handle
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return 0, self.handle
-
-
-def _current_stream(cupy, device: torch.device):
-    handle = torch.cuda.current_stream(device).cuda_stream
-    stream = _streams.get((device.index, handle))
-    if stream is None:
-        from_external = getattr(cupy.cuda.Stream, "from_external", None)
-        stream = (from_external(_StreamHandle(handle)) if from_external is not None
-                  else cupy.cuda.ExternalStream(handle, device.index))
-        _streams[(device.index, handle)] = stream
-    return stream
+def _argument_slots() -> tuple[np.ndarray, int]:
+    """This thread's launch-parameter buffer: 8-byte value slots and the array of pointers to
+    them that cuLaunchKernel reads (it copies the values at launch, so slots are reusable)."""
+    slots = getattr(_thread_state, "slots", None)
+    if slots is None:
+        values = np.zeros(MAX_KERNEL_ARGS, dtype=np.uint64)
+        pointers = values.ctypes.data + 8 * np.arange(MAX_KERNEL_ARGS, dtype=np.uint64)
+        slots = _thread_state.slots = (values, pointers, pointers.ctypes.data)
+    return slots[0], slots[2]
 
 
 def _launch(name: str, device: torch.device, grid: tuple, block: tuple, shared: int,
-            args: tuple) -> None:
-    cupy = import_cupy()
-    function = get_kernel(name, device.index)
+            args: tuple[int, ...]) -> None:
+    """cuLaunchKernel on torch's current stream of ``device``.
+
+    Every argument is a non-negative int in its own 8-byte little-endian slot: device pointers
+    and int64 use all of it, int32 parameters read its first 4 bytes. This skips CuPy's
+    per-call argument inspection, the dominant host cost of a small layer.
+    """
+    index = device.index
+    function = get_kernel(name, index)
     if shared > DEFAULT_SHARED_LIMIT and id(function) not in _raised_shared_limits:
         function.max_dynamic_shared_size_bytes = shared
         _raised_shared_limits.add(id(function))
-    with cupy.cuda.Device(device.index):
-        function(grid, block, args, shared_mem=shared, stream=_current_stream(cupy, device))
+    values, parameters = _argument_slots()
+    values[: len(args)] = args
+    stream = torch._C._cuda_getCurrentRawStream(index)
+    driver = import_cupy().cuda.driver
+    if torch.cuda.current_device() == index:
+        driver.launchKernel(function.ptr, *grid, *block, shared, stream, parameters, 0)
+    else:
+        with torch.cuda.device(index):
+            driver.launchKernel(function.ptr, *grid, *block, shared, stream, parameters, 0)
 
 
-def _pointer(tensor: torch.Tensor | None) -> np.uint64:
-    return np.uint64(0 if tensor is None else tensor.data_ptr())
+def _pointer(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -86,9 +92,8 @@ def _transpose(src: torch.Tensor, dst: torch.Tensor, *, src_extents, src_strides
     grid = (-(-dst_c // TRANSPOSE_TILE), -(-dst_a // TRANSPOSE_TILE), dst_z)
     _launch(transpose_name(src.dtype, dst.dtype), src.device, grid,
             (TRANSPOSE_TILE, TRANSPOSE_ROWS, 1), 0, (
-                _pointer(src), _pointer(dst), *(np.int32(e) for e in src_extents),
-                *(np.int64(s) for s in src_strides), np.int32(dst_a), np.int32(dst_c),
-                *(np.int64(s) for s in dst_strides),
+                _pointer(src), _pointer(dst), *src_extents, *src_strides, dst_a, dst_c,
+                *dst_strides,
             ))
     return dst
 
@@ -256,8 +261,7 @@ def forward(x, weight, bias, input_linear, weight_linear, config=None, *, poison
     bias32 = None if bias is None else bias.to(torch.float32)
     _gemm("forward", cfg, x.dtype, x.device, (nout, cpad // cfg.bn, bpad // cfg.tile_m), (
         _pointer(saved.xt), _pointer(wt), _pointer(input_linear), _pointer(weight_linear),
-        np.uint64(0), _pointer(bias32), _pointer(y), np.int32(batch), np.int32(bpad),
-        np.int32(cout), np.int32(cpad), np.int32(nout), np.int32(p64), np.int32(0),
+        0, _pointer(bias32), _pointer(y), batch, bpad, cout, cpad, nout, p64, 0,
     ))
     y = y.transpose(1, 2)
     return (y, saved) if return_transposed else y
@@ -278,9 +282,7 @@ def _launch_grad_input(cfg, gt, wr, reverse: ReverseTables, batch, cin, nin, dty
     out = torch.empty(batch, nin, cin, dtype=torch.float32, device=gt.device)
     _gemm("grad_input", cfg, gt.dtype, gt.device, (nin, cinpad // cfg.bn, bpad // cfg.tile_m), (
         _pointer(gt), _pointer(wr), _pointer(reverse.pair_node), _pointer(reverse.pair_cell),
-        _pointer(reverse.pair_start), np.uint64(0), _pointer(out), np.int32(batch),
-        np.int32(bpad), np.int32(cin), np.int32(cinpad), np.int32(nin), np.int32(0),
-        np.int32(gpad),
+        _pointer(reverse.pair_start), 0, _pointer(out), batch, bpad, cin, cinpad, nin, 0, gpad,
     ))
     dx = torch.empty(batch, cin, nin, dtype=dtype, device=gt.device)
     return _transpose(out, dx, src_extents=(batch, nin, cin), src_strides=(nin * cin, cin, 1),
@@ -294,8 +296,7 @@ def _launch_grad_input_scatter(cfg, gt, wt, input_linear, weight_linear, batch, 
     _gemm("grad_input_scatter", cfg, gt.dtype, gt.device,
           (nout, p64 // cfg.bn, bpad // cfg.tile_m), (
               _pointer(gt), _pointer(wt), _pointer(input_linear), _pointer(weight_linear),
-              _pointer(dxt), np.int32(batch), np.int32(bpad), np.int32(gpad),
-              np.int32(wt.shape[1]), np.int32(p64), np.int32(cin * nin)))
+              _pointer(dxt), batch, bpad, gpad, wt.shape[1], p64, cin * nin))
     dx = torch.empty(batch, cin, nin, dtype=dtype, device=gt.device)
     return _transpose(dxt, dx, src_extents=(1, cin * nin, batch), src_strides=(0, bpad, 1),
                       dst_extents=(1, cin * nin, batch), dst_strides=(0, cin * nin))
@@ -313,8 +314,7 @@ def _launch_grad_weight(cfg, saved: TransposedInput, gt, input_linear, weight_li
     splits = -(-k_tiles // per_split)
     _gemm("grad_weight", cfg, gt.dtype, gt.device, (nout, p_tiles * splits, gpad // cfg.bn), (
         _pointer(saved.xt), _pointer(gt), _pointer(input_linear), _pointer(weight_linear),
-        _pointer(dwt), np.int32(bpad), np.int32(gpad), np.int32(p64),
-        np.int32(saved.xt.shape[0] - 1), np.int32(p_tiles), np.int32(per_split),
+        _pointer(dwt), bpad, gpad, p64, saved.xt.shape[0] - 1, p_tiles, per_split,
     ))
     dw = torch.empty(cout, q, dtype=dtype, device=gt.device)
     return _transpose(dwt, dw, src_extents=(1, q, cout), src_strides=(0, gpad, 1),
@@ -400,5 +400,4 @@ def backward_combined(grad_y, x, weight, input_linear, weight_linear, cin, nin, 
 
 
 def clear_launch_caches() -> None:
-    _streams.clear()
     _raised_shared_limits.clear()
