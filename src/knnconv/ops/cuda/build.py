@@ -90,11 +90,26 @@ def transpose_name(source: torch.dtype, target: torch.dtype) -> str:
     return f"knnconv::transpose_pad<{SCALAR_TYPES[source]}, {SCALAR_TYPES[target]}>"
 
 
-_modules: dict[tuple[str, int], object] = {}
+_modules: dict[tuple[str, int], CompiledKernel] = {}
 _lock = threading.Lock()
 
 
-def get_kernel(name: str, device_index: int):
+class CompiledKernel:
+    """One kernel loaded on one device: CuPy's RawKernel and its CUfunction handle."""
+
+    def __init__(self, raw) -> None:
+        self.raw = raw
+        self.ptr = raw.kernel.ptr
+        self.dynamic_shared_limit = 48 * 1024
+
+    def allow_shared_memory(self, size: int) -> None:
+        """Raise the kernel's dynamic shared-memory limit (needed past 48 KiB), once."""
+        if size > self.dynamic_shared_limit:
+            self.raw.max_dynamic_shared_size_bytes = size
+            self.dynamic_shared_limit = size
+
+
+def get_kernel(name: str, device_index: int) -> CompiledKernel:
     """The compiled kernel named by an NVRTC name expression, on one device, built once.
 
     Compilation is serialised so that threads asking for the same kernel compile it once.
@@ -113,7 +128,7 @@ def get_kernel(name: str, device_index: int):
                     options=("--std=c++17", f"-I{KERNEL_DIR}", f"-I{cuda_include_dir()}"),
                     name_expressions=[name],
                 )
-                function = module.get_function(name)
+                function = CompiledKernel(module.get_function(name))
             _modules[key] = function
     return function
 

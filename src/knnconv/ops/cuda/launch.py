@@ -29,12 +29,10 @@ from .configs import (
     shared_memory_bytes,
 )
 
-DEFAULT_SHARED_LIMIT = 48 * 1024
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
 TRANSPOSE_TILE, TRANSPOSE_ROWS = 32, 8  # kTransposeTile, kTransposeRows in knn_common.cuh
 
 MAX_KERNEL_ARGS = 16
-_raised_shared_limits: set[int] = set()
 _thread_state = threading.local()
 
 
@@ -59,9 +57,7 @@ def _launch(name: str, device: torch.device, grid: tuple, block: tuple, shared: 
     """
     index = device.index
     function = get_kernel(name, index)
-    if shared > DEFAULT_SHARED_LIMIT and id(function) not in _raised_shared_limits:
-        function.max_dynamic_shared_size_bytes = shared
-        _raised_shared_limits.add(id(function))
+    function.allow_shared_memory(shared)
     values, parameters = _argument_slots()
     values[: len(args)] = args
     stream = torch._C._cuda_getCurrentRawStream(index)
@@ -400,4 +396,4 @@ def backward_combined(grad_y, x, weight, input_linear, weight_linear, cin, nin, 
 
 
 def clear_launch_caches() -> None:
-    _raised_shared_limits.clear()
+    _thread_state.__dict__.pop("slots", None)
