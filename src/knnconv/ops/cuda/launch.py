@@ -373,7 +373,7 @@ def grad_input(grad_y, weight, input_linear, weight_linear, cin, nin, config=Non
     :func:`reverse_tables`) the slot gradients are scattered with atomics, as in the seed
     design; with it, each input node gathers them (atomic-free)."""
     return backward(grad_y, None, weight, input_linear, weight_linear, reverse, cin, nin, 0,
-                    need_weight=False, input_algorithm="scatter" if reverse is None else None,
+                    need_weight=False, input_algorithm="scatter" if reverse is None else "gather",
                     input_config=config)[0]
 
 
@@ -391,7 +391,7 @@ def backward_combined(grad_y, x, weight, input_linear, weight_linear, cin, nin, 
     """(dx, dW) in float32 from one grad_y re-layout: :func:`backward` with both needed
     (dx by scatter without ``reverse``, as in :func:`grad_input`)."""
     return backward(grad_y, x, weight, input_linear, weight_linear, reverse, cin, nin, q,
-                    input_algorithm="scatter" if reverse is None else None,
+                    input_algorithm="scatter" if reverse is None else "gather",
                     input_config=input_config, weight_config=weight_config, ksplit=ksplit)
 
 
