@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import OrderedDict
 
 import torch
 
@@ -29,12 +30,13 @@ from .configs import (
 )
 from .launch import (
     COMPUTE_DTYPES,
+    BackwardLaunch,
+    ForwardLaunch,
     ReverseTables,
     TransposedInput,
     _uncached,
     backward,
     backward_combined,
-    clear_launch_caches,
     forward,
     grad_input,
     grad_weight,
@@ -58,6 +60,26 @@ def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
     scale = reference.norm().item()
     error = (value - reference).norm().item()
     return error / scale if scale > 0 else error
+
+
+class _RecentLaunches:
+    """A layer's launch plans by (direction, batch, dtype, ...), the most recent few kept:
+    a run with varying batch sizes does not grow it without bound."""
+
+    LIMIT = 16
+
+    def __init__(self) -> None:
+        self._plans: OrderedDict[tuple, object] = OrderedDict()
+
+    def get(self, key: tuple, build):
+        launch = self._plans.get(key)
+        if launch is None:
+            launch = self._plans[key] = build()
+            while len(self._plans) > self.LIMIT:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        return launch
 
 
 class _WeightLayouts:
@@ -160,14 +182,21 @@ class CudaOps(KNNConvOps):
     def _cached_layouts(self, weight: torch.Tensor):
         return lambda kind, build: self.weight_layouts.get(weight, kind, build)
 
+    @staticmethod
+    def _launch_plan(plan: KNNConvPlan, device: torch.device, key: tuple, build):
+        launches = plan.derived(device, "cuda.launches", lambda tables: _RecentLaunches())
+        return launches.get(key, build)
+
     def forward_saving(self, plan, x, weight, bias):
-        tables = plan.on(x.device)
-        cfg = default_config(x.shape[0], plan.cout, plan.p64, x.dtype, plan.nout)
-        key = ("forward", x.dtype, cfg, x.device)
+        device, batch = x.device, x.shape[0]
+        launch = self._launch_plan(plan, device, ("forward", batch, x.dtype), lambda: ForwardLaunch(
+            batch=batch, cin=plan.cin, nin=plan.nin, cout=plan.cout, nout=plan.nout,
+            p64=plan.p64, dtype=x.dtype, device=device))
+        key = ("forward", x.dtype, launch.cfg, device)
         first = self._first_use(key)
-        y, saved = forward(x, weight, bias, tables.input_linear, tables.weight_linear, cfg,
-                           poison_output=first, return_transposed=True,
-                           cached=self._cached_layouts(weight))
+        tables = plan.on(device)
+        y, saved = launch.run(x, weight, bias, tables.input_linear, tables.weight_linear,
+                              poison_output=first, cached=self._cached_layouts(weight))
         if first:
             self._canary(key, y, self._oracle.forward(plan, x, weight, bias))
         return y, saved
@@ -176,29 +205,25 @@ class CudaOps(KNNConvOps):
         return self.forward_saving(plan, x, weight, bias)[0]
 
     def _backward(self, plan, grad_y, x, weight, need_input, need_weight):
-        batch = grad_y.shape[0]
-        tables = plan.on(grad_y.device)
-        algorithm = default_grad_input_algorithm(plan.cin)
-        input_family, input_cfg = (
-            ("grad_input", default_grad_input_config(batch, plan.cin)) if algorithm == "gather"
-            else ("grad_input_scatter", default_grad_input_scatter_config(batch)))
-        weight_cfg = default_grad_weight_config(batch, plan.cout, plan.p64)
-        keys = [(family, grad_y.dtype, cfg, grad_y.device) for family, cfg, needed in (
-            (input_family, input_cfg, need_input), ("grad_weight", weight_cfg, need_weight))
-            if needed]
-        first = [key for key in keys if self._first_use(key)]
-        dx, dw = backward(grad_y, x, weight, tables.input_linear, tables.weight_linear,
-                          self.reverse(plan, grad_y.device), plan.cin, plan.nin, plan.q,
-                          need_input=need_input, need_weight=need_weight,
-                          input_algorithm=algorithm, input_config=input_cfg,
-                          weight_config=weight_cfg,
-                          cached=self._cached_layouts(weight) if need_input else _uncached)
-        for key in first:
-            if key[0] == "grad_weight":
-                original = x.original() if isinstance(x, TransposedInput) else x
-                self._canary(key, dw, self._oracle.grad_weight(plan, grad_y, original))
-            else:
-                self._canary(key, dx, self._oracle.grad_input(plan, grad_y, weight))
+        device, batch = grad_y.device, grad_y.shape[0]
+        launch = self._launch_plan(
+            plan, device, ("backward", batch, grad_y.dtype, need_input, need_weight),
+            lambda: BackwardLaunch(batch=batch, cin=plan.cin, nin=plan.nin, cout=plan.cout,
+                                   nout=plan.nout, q=plan.q, p64=plan.p64, dtype=grad_y.dtype,
+                                   device=device, need_input=need_input,
+                                   need_weight=need_weight))
+        keys = {role: (*launch.configs[role], grad_y.dtype, device)
+                for role, needed in (("input", need_input), ("weight", need_weight)) if needed}
+        first = {role for role, key in keys.items() if self._first_use(key)}
+        tables = plan.on(device)
+        reverse = self.reverse(plan, device) if launch.algorithm == "gather" else None
+        dx, dw = launch.run(grad_y, x, weight, tables.input_linear, tables.weight_linear,
+                            reverse, self._cached_layouts(weight) if need_input else _uncached)
+        if "input" in first:
+            self._canary(keys["input"], dx, self._oracle.grad_input(plan, grad_y, weight))
+        if "weight" in first:
+            original = x.original() if isinstance(x, TransposedInput) else x
+            self._canary(keys["weight"], dw, self._oracle.grad_weight(plan, grad_y, original))
         return dx, dw
 
     def grad_input(self, plan, grad_y, weight):
@@ -212,10 +237,9 @@ class CudaOps(KNNConvOps):
 
 
 def clear_kernel_cache() -> None:
-    """Drop compiled-module references, launch caches and re-laid-out weights (CuPy's on-disk
-    cache is kept)."""
+    """Drop compiled-module references and re-laid-out weights (CuPy's on-disk cache is kept;
+    layers' launch plans keep the kernels they resolved)."""
     clear_modules()
-    clear_launch_caches()
     from ..registry import get_ops
 
     get_ops("cuda").weight_layouts.clear()

@@ -102,6 +102,11 @@ class CompiledKernel:
         self.ptr = raw.kernel.ptr
         self.dynamic_shared_limit = 48 * 1024
 
+    def launch(self, grid, block, shared: int, stream: int, parameters: int) -> None:
+        """cuLaunchKernel with a prepared kernel-parameter array (see launch._launch)."""
+        import_cupy().cuda.driver.launchKernel(self.ptr, *grid, *block, shared, stream,
+                                               parameters, 0)
+
     def allow_shared_memory(self, size: int) -> None:
         """Raise the kernel's dynamic shared-memory limit (needed past 48 KiB), once."""
         if size > self.dynamic_shared_limit:

@@ -1,10 +1,13 @@
-"""The host path: operand re-layouts, tile padding, grids, and raw-pointer launches.
+"""The host path: launch plans, operand re-layouts and raw-pointer launches.
 
-Everything runs on PyTorch's current stream of the tensors' device. Kernel arguments go to
+A launch plan (:class:`ForwardLaunch`, :class:`BackwardLaunch`) resolves everything that
+depends only on sizes, dtypes and the device (tile configs, padding, grids, compiled kernels)
+once; running it allocates the buffers and issues the launches. The registry ops cache plans
+per layer and batch, so a call costs little more than its launches. Kernel arguments go to
 cuLaunchKernel (through CuPy's driver binding) as raw device pointers and integers, skipping
 DLPack export and CuPy's argument handling, so torch dtypes CuPy lacks (bfloat16) pass
-untouched. Re-layouts are one transpose_pad
-launch each (transpose, dtype conversion and zero padding fused).
+untouched. Every re-layout is one transpose_pad launch (transpose, dtype conversion and zero
+padding fused). Everything runs on PyTorch's current stream of the tensors' device.
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 import torch
 
-from .build import get_kernel, import_cupy, kernel_name, transpose_name
+from .build import CompiledKernel, get_kernel, kernel_name, transpose_name
 from .configs import (
     KernelConfig,
     check_config,
@@ -31,7 +35,6 @@ from .configs import (
 
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
 TRANSPOSE_TILE, TRANSPOSE_ROWS = 32, 8  # kTransposeTile, kTransposeRows in knn_common.cuh
-
 MAX_KERNEL_ARGS = 16
 _thread_state = threading.local()
 
@@ -47,26 +50,21 @@ def _argument_slots() -> tuple[np.ndarray, int]:
     return slots[0], slots[2]
 
 
-def _launch(name: str, device: torch.device, grid: tuple, block: tuple, shared: int,
+def _launch(kernel: CompiledKernel, device_index: int, grid: tuple, block: tuple, shared: int,
             args: tuple[int, ...]) -> None:
-    """cuLaunchKernel on torch's current stream of ``device``.
+    """cuLaunchKernel on torch's current stream of the device.
 
     Every argument is a non-negative int in its own 8-byte little-endian slot: device pointers
-    and int64 use all of it, int32 parameters read its first 4 bytes. This skips CuPy's
-    per-call argument inspection, the dominant host cost of a small layer.
+    and int64 use all of it, int32 parameters read its first 4 bytes.
     """
-    index = device.index
-    function = get_kernel(name, index)
-    function.allow_shared_memory(shared)
     values, parameters = _argument_slots()
     values[: len(args)] = args
-    stream = torch._C._cuda_getCurrentRawStream(index)
-    driver = import_cupy().cuda.driver
-    if torch.cuda.current_device() == index:
-        driver.launchKernel(function.ptr, *grid, *block, shared, stream, parameters, 0)
+    stream = torch._C._cuda_getCurrentRawStream(device_index)
+    if torch.cuda.current_device() == device_index:
+        kernel.launch(grid, block, shared, stream, parameters)
     else:
-        with torch.cuda.device(index):
-            driver.launchKernel(function.ptr, *grid, *block, shared, stream, parameters, 0)
+        with torch.cuda.device(device_index):
+            kernel.launch(grid, block, shared, stream, parameters)
 
 
 def _pointer(tensor: torch.Tensor | None) -> int:
@@ -77,21 +75,48 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _transpose(src: torch.Tensor, dst: torch.Tensor, *, src_extents, src_strides, dst_extents,
-               dst_strides) -> torch.Tensor:
-    """dst[z, c, a] = src[z, a, c], zero wherever (z, a, c) lies past ``src_extents``.
+@cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
-    Extents are (z, a, c); src_strides are the source's (z, a, c) strides and dst_strides the
-    destination's (z, c) strides, in elements (dst's a stride is 1).
-    """
-    dst_z, dst_a, dst_c = dst_extents
-    grid = (-(-dst_c // TRANSPOSE_TILE), -(-dst_a // TRANSPOSE_TILE), dst_z)
-    _launch(transpose_name(src.dtype, dst.dtype), src.device, grid,
-            (TRANSPOSE_TILE, TRANSPOSE_ROWS, 1), 0, (
-                _pointer(src), _pointer(dst), *src_extents, *src_strides, dst_a, dst_c,
-                *dst_strides,
-            ))
-    return dst
+
+class _Transpose:
+    """dst[z, c, a] = src[z, a, c] for every (z, a, c) of ``dst_extents``, zero wherever it
+    lies past ``src_extents``. Extents are (z, a, c); dst_strides are dst's (z, c) strides
+    (its a stride is 1); the source strides are given per call."""
+
+    def __init__(self, src_dtype, dst_dtype, device_index: int, src_extents, dst_extents,
+                 dst_strides) -> None:
+        dst_z, dst_a, dst_c = dst_extents
+        self.kernel = get_kernel(transpose_name(src_dtype, dst_dtype), device_index)
+        self.device_index = device_index
+        self.grid = (-(-dst_c // TRANSPOSE_TILE), -(-dst_a // TRANSPOSE_TILE), dst_z)
+        self.static = (*src_extents, dst_a, dst_c, *dst_strides)
+
+    def __call__(self, src: torch.Tensor, dst: torch.Tensor, src_strides) -> torch.Tensor:
+        z, a, c, dst_a, dst_c, dst_sz, dst_sc = self.static
+        _launch(self.kernel, self.device_index, self.grid, (TRANSPOSE_TILE, TRANSPOSE_ROWS, 1), 0,
+                (src.data_ptr(), dst.data_ptr(), z, a, c, *src_strides, dst_a, dst_c, dst_sz,
+                 dst_sc))
+        return dst
+
+
+def _transpose_once(src, dst, *, src_extents, src_strides, dst_extents, dst_strides):
+    return _Transpose(src.dtype, dst.dtype, src.device.index, src_extents, dst_extents,
+                      dst_strides)(src, dst, src_strides)
+
+
+class _Gemm:
+    """One gathered-GEMM kernel with its grid, block and shared memory resolved."""
+
+    def __init__(self, family: str, cfg: KernelConfig, dtype, device_index: int, grid) -> None:
+        self.kernel = get_kernel(kernel_name(family, dtype, cfg), device_index)
+        self.shared = shared_memory_bytes(family, cfg)
+        self.kernel.allow_shared_memory(self.shared)
+        self.device_index, self.grid, self.block = device_index, grid, (cfg.threads, 1, 1)
+
+    def __call__(self, *args: int) -> None:
+        _launch(self.kernel, self.device_index, self.grid, self.block, self.shared, args)
 
 
 @dataclass
@@ -115,32 +140,41 @@ class TransposedInput:
         return self.xt[:-1, : self.batch].t().reshape(self.batch, self.cin, self.nin)
 
 
+class _InputLayout:
+    """x [B, Cin, Nin] -> TransposedInput with a given padded batch and dtype."""
+
+    def __init__(self, batch: int, cin: int, nin: int, bpad: int, src_dtype, dtype,
+                 device_index: int) -> None:
+        rows = cin * nin
+        self.shape, self.dtype = (rows + 1, bpad), dtype
+        self.batch, self.cin, self.nin = batch, cin, nin
+        self.transpose = _Transpose(src_dtype, dtype, device_index, (1, batch, rows),
+                                    (1, bpad, rows + 1), (0, bpad))
+
+    def __call__(self, x) -> TransposedInput:
+        if isinstance(x, TransposedInput):
+            if x.xt.shape == self.shape and x.xt.dtype == self.dtype:
+                return x
+            x = x.original()
+        if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+            x = x.contiguous()
+        xt = torch.empty(self.shape, dtype=self.dtype, device=x.device)
+        self.transpose(x, xt, (0, x.stride(0), 1))
+        return TransposedInput(xt, self.batch, self.cin, self.nin)
+
+
 def transposed_input(x: torch.Tensor, bpad: int, dtype: torch.dtype) -> TransposedInput:
     batch, cin, nin = x.shape
-    rows = cin * nin
-    xt = torch.empty(rows + 1, bpad, dtype=dtype, device=x.device)
-    _transpose(x, xt, src_extents=(1, batch, rows), src_strides=(0, x.stride(0), 1),
-               dst_extents=(1, bpad, rows + 1), dst_strides=(0, bpad))
-    return TransposedInput(xt, batch, cin, nin)
-
-
-def _as_transposed(x, bpad: int, dtype: torch.dtype) -> TransposedInput:
-    if isinstance(x, TransposedInput):
-        if x.bpad == bpad and x.xt.dtype == dtype:
-            return x
-        x = x.original()
-    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
-        x = x.contiguous()
-    return transposed_input(x, bpad, dtype)
+    return _InputLayout(batch, cin, nin, bpad, x.dtype, dtype, x.device.index)(x)
 
 
 def transposed_weight(weight: torch.Tensor, cpad: int, dtype: torch.dtype) -> torch.Tensor:
     """wt [Cin*V, cpad]: output channels contiguous, zero columns past Cout."""
     cout, q = weight.shape
     wt = torch.empty(q, cpad, dtype=dtype, device=weight.device)
-    return _transpose(weight, wt, src_extents=(1, cout, q),
-                      src_strides=(0, weight.stride(0), weight.stride(1)),
-                      dst_extents=(1, cpad, q), dst_strides=(0, cpad))
+    return _transpose_once(weight, wt, src_extents=(1, cout, q),
+                           src_strides=(0, weight.stride(0), weight.stride(1)),
+                           dst_extents=(1, cpad, q), dst_strides=(0, cpad))
 
 
 def weight_by_cell(weight: torch.Tensor, cin: int, gpad: int, cinpad: int,
@@ -149,18 +183,9 @@ def weight_by_cell(weight: torch.Tensor, cin: int, gpad: int, cinpad: int,
     cout, q = weight.shape
     v = q // cin
     wr = torch.empty(v, gpad, cinpad, dtype=dtype, device=weight.device)
-    return _transpose(weight, wr, src_extents=(cout, cin, v),
-                      src_strides=(weight.stride(0), v * weight.stride(1), weight.stride(1)),
-                      dst_extents=(gpad, cinpad, v), dst_strides=(cinpad, gpad * cinpad))
-
-
-def transposed_grad(grad_y: torch.Tensor, gpad: int, bpad: int) -> torch.Tensor:
-    """gt [Nout, gpad, bpad]: the batch contiguous, zero past Cout and B (any grad_y strides)."""
-    batch, cout, nout = grad_y.shape
-    gt = torch.empty(nout, gpad, bpad, dtype=grad_y.dtype, device=grad_y.device)
-    sb, so, sn = grad_y.stride()
-    return _transpose(grad_y, gt, src_extents=(cout, batch, nout), src_strides=(so, sb, sn),
-                      dst_extents=(gpad, bpad, nout), dst_strides=(bpad, gpad * bpad))
+    return _transpose_once(weight, wr, src_extents=(cout, cin, v),
+                           src_strides=(weight.stride(0), v * weight.stride(1), weight.stride(1)),
+                           dst_extents=(gpad, cinpad, v), dst_strides=(cinpad, gpad * cinpad))
 
 
 @dataclass
@@ -188,6 +213,162 @@ def reverse_tables(knn_indices: torch.Tensor, rf_index: torch.Tensor, nin: int) 
                          cell[order].int().contiguous())
 
 
+def _uncached(kind: tuple, build):
+    return build()
+
+
+def padded_batch(batch: int, *configs: tuple[str, KernelConfig]) -> int:
+    """The batch padded so every given (family, config)'s batch tile divides it."""
+    return _round_up(batch, math.lcm(*(cfg.bk if family == "grad_weight" else cfg.tile_m
+                                       for family, cfg in configs)))
+
+
+def _default_backward_tiles(batch: int, cin: int, cout: int, p64: int):
+    """The (family, config) pairs a default backward of this call would run."""
+    if default_grad_input_algorithm(cin) == "scatter":
+        grad_input_tiles = ("grad_input_scatter", default_grad_input_scatter_config(batch))
+    else:
+        grad_input_tiles = ("grad_input", default_grad_input_config(batch, cin))
+    return grad_input_tiles, ("grad_weight", default_grad_weight_config(batch, cout, p64))
+
+
+class ForwardLaunch:
+    """The forward of one (layer sizes, batch, dtype, device): x re-layout + gathered GEMM.
+
+    The padded batch also fits the default backward tiles, so the backward reuses xt.
+    """
+
+    def __init__(self, *, batch: int, cin: int, nin: int, cout: int, nout: int, p64: int,
+                 dtype: torch.dtype, device: torch.device, config: KernelConfig | None = None,
+                 input_dtype: torch.dtype | None = None) -> None:
+        self.cfg = cfg = check_config(
+            "forward", config or default_config(batch, cout, p64, dtype, nout), p64=p64)
+        bpad = padded_batch(batch, ("forward", cfg),
+                            *_default_backward_tiles(batch, cin, cout, p64))
+        self.batch, self.bpad, self.cpad = batch, bpad, _round_up(cout, cfg.bn)
+        self.cout, self.nout, self.p64, self.dtype = cout, nout, p64, dtype
+        self.input_layout = _InputLayout(batch, cin, nin, bpad, input_dtype or dtype, dtype,
+                                         device.index)
+        self.gemm = _Gemm("forward", cfg, dtype, device.index,
+                          (nout, self.cpad // cfg.bn, bpad // cfg.tile_m))
+
+    def run(self, x, weight, bias, input_linear, weight_linear, *, poison_output=False,
+            cached=_uncached):
+        saved = self.input_layout(x)
+        cpad, dtype = self.cpad, self.dtype
+        wt = cached(("wt", cpad, dtype), lambda: transposed_weight(weight, cpad, dtype))
+        shape = (self.batch, self.nout, self.cout)
+        y = (torch.full(shape, math.nan, dtype=dtype, device=wt.device) if poison_output
+             else torch.empty(shape, dtype=dtype, device=wt.device))
+        bias32 = None if bias is None else bias.to(torch.float32)
+        self.gemm(saved.xt.data_ptr(), wt.data_ptr(), input_linear.data_ptr(),
+                  weight_linear.data_ptr(), 0, _pointer(bias32), y.data_ptr(), self.batch,
+                  self.bpad, self.cout, cpad, self.nout, self.p64, 0)
+        return y.transpose(1, 2), saved
+
+
+class BackwardLaunch:
+    """The backward of one (layer sizes, batch, dtypes, device, needed gradients).
+
+    dx comes from the forward kernel run over the reversed graph (algorithm 'gather': no
+    atomics, each element written once) or, for few input channels, from slot gradients
+    scattered with fp32 atomics ('scatter'); dW from the slot-tiled kernel with fp32 atomics,
+    the batch split over gridDim.y (ksplit). Both accumulate in fp32 and are converted to
+    grad_dtypes = (dx dtype, dW dtype) by the transposes that restore their layouts.
+    """
+
+    def __init__(self, *, batch: int, cin: int, nin: int, cout: int, nout: int, q: int,
+                 p64: int, dtype: torch.dtype, device: torch.device, need_input: bool = True,
+                 need_weight: bool = True, algorithm: str | None = None,
+                 input_config: KernelConfig | None = None,
+                 weight_config: KernelConfig | None = None, ksplit: int | None = None,
+                 grad_dtypes=(torch.float32, torch.float32)) -> None:
+        index = device.index
+        algorithm = algorithm or default_grad_input_algorithm(cin)
+        if algorithm not in ("gather", "scatter"):
+            raise ValueError(f"algorithm must be 'gather' or 'scatter', got {algorithm!r}")
+        input_family = "grad_input" if algorithm == "gather" else "grad_input_scatter"
+        gi = check_config(input_family, input_config or (
+            default_grad_input_config(batch, cin) if algorithm == "gather"
+            else default_grad_input_scatter_config(batch)), p64=p64)
+        gw = check_config("grad_weight",
+                          weight_config or default_grad_weight_config(batch, cout, p64), p64=p64)
+        needed = [pair for pair, wanted in (((input_family, gi), need_input),
+                                            (("grad_weight", gw), need_weight)) if wanted]
+        self.bpad = bpad = padded_batch(batch, *needed)
+        self.gpad = gpad = _round_up(cout, math.lcm(*(
+            cfg.bn if family == "grad_weight" else cfg.bk for family, cfg in needed)))
+        self.algorithm, self.need_input, self.need_weight = algorithm, need_input, need_weight
+        self.configs = {"input": (input_family, gi), "weight": ("grad_weight", gw)}
+        self.batch, self.cin, self.nin, self.cout, self.q, self.p64 = batch, cin, nin, cout, q, p64
+        self.dtype, self.grad_dtypes = dtype, grad_dtypes
+        self.to_gt = _Transpose(dtype, dtype, index, (cout, batch, nout), (gpad, bpad, nout),
+                                (bpad, gpad * bpad))
+        rows = cin * nin
+        if need_input and algorithm == "gather":
+            self.cinpad = _round_up(cin, gi.bn)
+            self.input_gemm = _Gemm(input_family, gi, dtype, index,
+                                    (nin, self.cinpad // gi.bn, bpad // gi.tile_m))
+            self.restore_dx = _Transpose(torch.float32, grad_dtypes[0], index,
+                                         (batch, nin, cin), (batch, nin, cin), (rows, nin))
+        elif need_input:
+            self.input_gemm = _Gemm(input_family, gi, dtype, index,
+                                    (nout, p64 // gi.bn, bpad // gi.tile_m))
+            self.restore_dx = _Transpose(torch.float32, grad_dtypes[0], index,
+                                         (1, rows, batch), (1, rows, batch), (0, rows))
+        if need_weight:
+            self.input_layout = _InputLayout(batch, cin, nin, bpad, dtype, dtype, index)
+            p_tiles, k_tiles = p64 // gw.tile_m, bpad // gw.bk
+            if ksplit is None:
+                ksplit = default_grad_weight_ksplit(gw, bpad, gpad, p64, nout,
+                                                    multiprocessors=_multiprocessors(index))
+            self.per_split = -(-k_tiles // max(1, int(ksplit)))
+            self.p_tiles = p_tiles
+            splits = -(-k_tiles // self.per_split)
+            self.weight_gemm = _Gemm("grad_weight", gw, dtype, index,
+                                     (nout, p_tiles * splits, gpad // gw.bn))
+            self.restore_dw = _Transpose(torch.float32, grad_dtypes[1], index, (1, q, cout),
+                                         (1, q, cout), (0, q))
+
+    def run(self, grad_y, x, weight, input_linear, weight_linear, reverse: ReverseTables | None,
+            cached=_uncached):
+        """(dx, dW), None for a gradient not needed. x: [B, Cin, Nin] or the forward's
+        TransposedInput; reverse: the reversed graph (gather only)."""
+        device, dtype = grad_y.device, self.dtype
+        batch, bpad, gpad, cin, nin = self.batch, self.bpad, self.gpad, self.cin, self.nin
+        gt = torch.empty(grad_y.shape[2], gpad, bpad, dtype=dtype, device=device)
+        sb, so, sn = grad_y.stride()
+        self.to_gt(grad_y, gt, (so, sb, sn))
+        dx = dw = None
+        if self.need_input and self.algorithm == "gather":
+            cinpad = self.cinpad
+            wr = cached(("wr", gpad, cinpad, dtype),
+                        lambda: weight_by_cell(weight, cin, gpad, cinpad, dtype))
+            out = torch.empty(batch, nin, cin, dtype=torch.float32, device=device)
+            self.input_gemm(gt.data_ptr(), wr.data_ptr(), reverse.pair_node.data_ptr(),
+                            reverse.pair_cell.data_ptr(), reverse.pair_start.data_ptr(), 0,
+                            out.data_ptr(), batch, bpad, cin, cinpad, nin, 0, gpad)
+            dx = torch.empty(batch, cin, nin, dtype=self.grad_dtypes[0], device=device)
+            self.restore_dx(out, dx, (nin * cin, cin, 1))
+        elif self.need_input:
+            wt = cached(("wt", gpad, dtype), lambda: transposed_weight(weight, gpad, dtype))
+            dxt = torch.zeros(cin * nin, bpad, dtype=torch.float32, device=device)
+            self.input_gemm(gt.data_ptr(), wt.data_ptr(), input_linear.data_ptr(),
+                            weight_linear.data_ptr(), dxt.data_ptr(), batch, bpad, gpad,
+                            wt.shape[1], self.p64, cin * nin)
+            dx = torch.empty(batch, cin, nin, dtype=self.grad_dtypes[0], device=device)
+            self.restore_dx(dxt, dx, (0, bpad, 1))
+        if self.need_weight:
+            saved = self.input_layout(x)
+            dwt = torch.zeros(self.q, gpad, dtype=torch.float32, device=device)
+            self.weight_gemm(saved.xt.data_ptr(), gt.data_ptr(), input_linear.data_ptr(),
+                             weight_linear.data_ptr(), dwt.data_ptr(), bpad, gpad, self.p64,
+                             cin * nin, self.p_tiles, self.per_split)
+            dw = torch.empty(self.cout, self.q, dtype=self.grad_dtypes[1], device=device)
+            self.restore_dw(dwt, dw, (0, gpad, 1))
+        return dx, dw
+
+
 def _check_operands(name: str, *tensors: torch.Tensor) -> None:
     dtype, device = tensors[0].dtype, tensors[0].device
     if dtype not in COMPUTE_DTYPES:
@@ -212,168 +393,53 @@ def _check_tables(input_linear: torch.Tensor, weight_linear: torch.Tensor,
         raise ValueError("input_linear and weight_linear must have the same shape")
 
 
-def _uncached(kind: tuple, build):
-    return build()
-
-
-def padded_batch(batch: int, *configs: tuple[str, KernelConfig], reuse=None) -> int:
-    """The batch padded so every given (family, config)'s batch tile divides it; a saved
-    TransposedInput's padding (``reuse``) is kept when it qualifies, so it need not be rebuilt."""
-    tile = math.lcm(*(cfg.bk if family == "grad_weight" else cfg.tile_m for family, cfg in configs))
-    if isinstance(reuse, TransposedInput) and reuse.bpad % tile == 0:
-        return reuse.bpad
-    return _round_up(batch, tile)
-
-
-def _gemm(family: str, cfg: KernelConfig, dtype: torch.dtype, device: torch.device,
-          grid: tuple, args: tuple) -> None:
-    _launch(kernel_name(family, dtype, cfg), device, grid, (cfg.threads, 1, 1),
-            shared_memory_bytes(family, cfg), args)
-
-
 def forward(x, weight, bias, input_linear, weight_linear, config=None, *, poison_output=False,
-            return_transposed=False, cached=_uncached):
+            return_transposed=False):
     """y [B, Cout, Nout] (a view of a contiguous [B, Nout, Cout] buffer) in x's dtype.
 
     x: [B, Cin, Nin] float16/bfloat16; weight: [Cout, Cin*V] (converted to x's dtype); bias:
     [Cout] or None, added in fp32; input_linear / weight_linear: int32 [Nout, P64], entries
     equal to Cin*Nin select the zero row. poison_output fills y with NaN first, so an element
     the kernel fails to write shows. return_transposed: also return the TransposedInput, for
-    the backward. cached(kind, build): where the caller keeps weight re-layouts.
+    the backward.
     """
     _check_operands("forward", x, weight, *(() if bias is None else (bias,)))
     _check_tables(input_linear, weight_linear, x.device)
-    batch, cin, _ = x.shape
-    cout = weight.shape[0]
+    batch, cin, nin = x.shape
     nout, p64 = input_linear.shape
-    cfg = check_config("forward", config or default_config(batch, cout, p64, x.dtype, nout),
-                       p64=p64)
-    bpad = padded_batch(batch, ("forward", cfg), *_default_backward_tiles(batch, cin, cout, p64))
-    cpad = _round_up(cout, cfg.bn)
-    saved = _as_transposed(x, bpad, x.dtype)
-    wt = cached(("wt", cpad, x.dtype), lambda: transposed_weight(weight, cpad, x.dtype))
-    y = (torch.full((batch, nout, cout), math.nan, dtype=x.dtype, device=x.device)
-         if poison_output else torch.empty(batch, nout, cout, dtype=x.dtype, device=x.device))
-    bias32 = None if bias is None else bias.to(torch.float32)
-    _gemm("forward", cfg, x.dtype, x.device, (nout, cpad // cfg.bn, bpad // cfg.tile_m), (
-        _pointer(saved.xt), _pointer(wt), _pointer(input_linear), _pointer(weight_linear),
-        0, _pointer(bias32), _pointer(y), batch, bpad, cout, cpad, nout, p64, 0,
-    ))
-    y = y.transpose(1, 2)
+    launch = ForwardLaunch(batch=batch, cin=cin, nin=nin, cout=weight.shape[0], nout=nout,
+                           p64=p64, dtype=x.dtype, device=x.device, config=config)
+    y, saved = launch.run(x, weight, bias, input_linear, weight_linear,
+                          poison_output=poison_output)
     return (y, saved) if return_transposed else y
-
-
-def _default_backward_tiles(batch: int, cin: int, cout: int, p64: int):
-    """The (family, config) pairs a default backward of this call would run."""
-    if default_grad_input_algorithm(cin) == "scatter":
-        grad_input_tiles = ("grad_input_scatter", default_grad_input_scatter_config(batch))
-    else:
-        grad_input_tiles = ("grad_input", default_grad_input_config(batch, cin))
-    return grad_input_tiles, ("grad_weight", default_grad_weight_config(batch, cout, p64))
-
-
-def _launch_grad_input(cfg, gt, wr, reverse: ReverseTables, batch, cin, nin, dtype):
-    gpad, bpad = gt.shape[1], gt.shape[2]
-    cinpad = wr.shape[2]
-    out = torch.empty(batch, nin, cin, dtype=torch.float32, device=gt.device)
-    _gemm("grad_input", cfg, gt.dtype, gt.device, (nin, cinpad // cfg.bn, bpad // cfg.tile_m), (
-        _pointer(gt), _pointer(wr), _pointer(reverse.pair_node), _pointer(reverse.pair_cell),
-        _pointer(reverse.pair_start), 0, _pointer(out), batch, bpad, cin, cinpad, nin, 0, gpad,
-    ))
-    dx = torch.empty(batch, cin, nin, dtype=dtype, device=gt.device)
-    return _transpose(out, dx, src_extents=(batch, nin, cin), src_strides=(nin * cin, cin, 1),
-                      dst_extents=(batch, nin, cin), dst_strides=(cin * nin, nin))
-
-
-def _launch_grad_input_scatter(cfg, gt, wt, input_linear, weight_linear, batch, cin, nin, dtype):
-    nout, p64 = input_linear.shape
-    gpad, bpad = gt.shape[1], gt.shape[2]
-    dxt = torch.zeros(cin * nin, bpad, dtype=torch.float32, device=gt.device)
-    _gemm("grad_input_scatter", cfg, gt.dtype, gt.device,
-          (nout, p64 // cfg.bn, bpad // cfg.tile_m), (
-              _pointer(gt), _pointer(wt), _pointer(input_linear), _pointer(weight_linear),
-              _pointer(dxt), batch, bpad, gpad, wt.shape[1], p64, cin * nin))
-    dx = torch.empty(batch, cin, nin, dtype=dtype, device=gt.device)
-    return _transpose(dxt, dx, src_extents=(1, cin * nin, batch), src_strides=(0, bpad, 1),
-                      dst_extents=(1, cin * nin, batch), dst_strides=(0, cin * nin))
-
-
-def _launch_grad_weight(cfg, saved: TransposedInput, gt, input_linear, weight_linear, q, cout,
-                        ksplit, dtype):
-    nout, p64 = input_linear.shape
-    gpad, bpad = gt.shape[1], gt.shape[2]
-    dwt = torch.zeros(q, gpad, dtype=torch.float32, device=gt.device)
-    p_tiles, k_tiles = p64 // cfg.tile_m, bpad // cfg.bk
-    if ksplit is None:
-        ksplit = default_grad_weight_ksplit(cfg, bpad, gpad, p64, nout, gt.device.index)
-    per_split = -(-k_tiles // max(1, int(ksplit)))
-    splits = -(-k_tiles // per_split)
-    _gemm("grad_weight", cfg, gt.dtype, gt.device, (nout, p_tiles * splits, gpad // cfg.bn), (
-        _pointer(saved.xt), _pointer(gt), _pointer(input_linear), _pointer(weight_linear),
-        _pointer(dwt), bpad, gpad, p64, saved.xt.shape[0] - 1, p_tiles, per_split,
-    ))
-    dw = torch.empty(cout, q, dtype=dtype, device=gt.device)
-    return _transpose(dwt, dw, src_extents=(1, q, cout), src_strides=(0, gpad, 1),
-                      dst_extents=(1, q, cout), dst_strides=(0, q))
 
 
 def backward(grad_y, x, weight, input_linear, weight_linear, reverse, cin, nin, q, *,
              need_input=True, need_weight=True, input_algorithm=None, input_config=None,
-             weight_config=None, ksplit=None, grad_dtypes=(torch.float32, torch.float32),
-             cached=_uncached):
-    """(dx, dW), either None when not needed, from one grad_y re-layout.
-
-    x: the input [B, Cin, Nin] or the forward's TransposedInput. dx comes from the forward
-    kernel run over the reversed graph (input_algorithm 'gather': no atomics, each element
-    written once) or, for few input channels, from slot gradients scattered with fp32 atomics
-    ('scatter'; None picks by Cin). dW comes from the slot-tiled kernel with fp32 atomics, the
-    batch split over gridDim.y (ksplit). Both accumulate in fp32 and are converted to
-    grad_dtypes = (dx dtype, dW dtype). cached(kind, build): where weight re-layouts are kept.
-    """
+             weight_config=None, ksplit=None):
+    """(dx, dW) in float32, either None when not needed, from one grad_y re-layout (see
+    :class:`BackwardLaunch`). x: [B, Cin, Nin] or the forward's TransposedInput."""
     _check_operands("backward", *((grad_y, weight) if need_input else (grad_y,)))
     _check_tables(input_linear, weight_linear, grad_y.device)
-    batch, cout, _ = grad_y.shape
-    p64 = input_linear.shape[1]
-    algorithm = input_algorithm or default_grad_input_algorithm(cin)
-    if algorithm not in ("gather", "scatter"):
-        raise ValueError(f"input_algorithm must be 'gather' or 'scatter', got {algorithm!r}")
-    input_family = "grad_input" if algorithm == "gather" else "grad_input_scatter"
-    gi = check_config(input_family, input_config or (
-        default_grad_input_config(batch, cin) if algorithm == "gather"
-        else default_grad_input_scatter_config(batch)), p64=p64)
-    gw = check_config("grad_weight", weight_config or default_grad_weight_config(batch, cout, p64),
-                      p64=p64)
-    needed = [pair for pair, wanted in (((input_family, gi), need_input),
-                                        (("grad_weight", gw), need_weight)) if wanted]
-    bpad = padded_batch(batch, *needed, reuse=x)
-    gpad = _round_up(cout, math.lcm(*(cfg.bn if family == "grad_weight" else cfg.bk
-                                      for family, cfg in needed)))
-    gt = transposed_grad(grad_y, gpad, bpad)
-    dx = dw = None
-    dtype = grad_y.dtype
-    if need_input and algorithm == "gather":
-        cinpad = _round_up(cin, gi.bn)
-        wr = cached(("wr", gpad, cinpad, dtype),
-                    lambda: weight_by_cell(weight, cin, gpad, cinpad, dtype))
-        dx = _launch_grad_input(gi, gt, wr, reverse, batch, cin, nin, grad_dtypes[0])
-    elif need_input:
-        wt = cached(("wt", gpad, dtype), lambda: transposed_weight(weight, gpad, dtype))
-        dx = _launch_grad_input_scatter(gi, gt, wt, input_linear, weight_linear, batch, cin,
-                                        nin, grad_dtypes[0])
-    if need_weight:
-        saved = _as_transposed(x, bpad, dtype)
-        dw = _launch_grad_weight(gw, saved, gt, input_linear, weight_linear, q, cout, ksplit,
-                                 grad_dtypes[1])
-    return dx, dw
+    batch, cout, nout = grad_y.shape
+    launch = BackwardLaunch(batch=batch, cin=cin, nin=nin, cout=cout, nout=nout, q=q,
+                            p64=input_linear.shape[1], dtype=grad_y.dtype, device=grad_y.device,
+                            need_input=need_input, need_weight=need_weight,
+                            algorithm=input_algorithm, input_config=input_config,
+                            weight_config=weight_config, ksplit=ksplit)
+    if launch.algorithm == "gather" and need_input and reverse is None:
+        raise ValueError("the gather algorithm needs reverse=reverse_tables(...)")
+    return launch.run(grad_y, x, weight, input_linear, weight_linear, reverse)
 
 
 def grad_input(grad_y, weight, input_linear, weight_linear, cin, nin, config=None, *,
                reverse=None):
-    """dx [B, Cin, Nin] float32 (see :func:`backward`). Without ``reverse`` (from
+    """dx [B, Cin, Nin] float32 (see :class:`BackwardLaunch`). Without ``reverse`` (from
     :func:`reverse_tables`) the slot gradients are scattered with atomics, as in the seed
     design; with it, each input node gathers them (atomic-free)."""
     return backward(grad_y, None, weight, input_linear, weight_linear, reverse, cin, nin, 0,
-                    need_weight=False, input_algorithm="scatter" if reverse is None else "gather",
+                    need_weight=False,
+                    input_algorithm="scatter" if reverse is None else "gather",
                     input_config=config)[0]
 
 
@@ -388,12 +454,8 @@ def grad_weight(grad_y, x, input_linear, weight_linear, q, config=None, ksplit=N
 
 def backward_combined(grad_y, x, weight, input_linear, weight_linear, cin, nin, q,
                       input_config=None, weight_config=None, ksplit=None, *, reverse=None):
-    """(dx, dW) in float32 from one grad_y re-layout: :func:`backward` with both needed
-    (dx by scatter without ``reverse``, as in :func:`grad_input`)."""
+    """(dx, dW) in float32 from one grad_y re-layout (dx scattered without ``reverse``, as in
+    :func:`grad_input`, gathered with it)."""
     return backward(grad_y, x, weight, input_linear, weight_linear, reverse, cin, nin, q,
                     input_algorithm="scatter" if reverse is None else "gather",
                     input_config=input_config, weight_config=weight_config, ksplit=ksplit)
-
-
-def clear_launch_caches() -> None:
-    _thread_state.__dict__.pop("slots", None)
