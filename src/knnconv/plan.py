@@ -133,6 +133,18 @@ class KNNConvPlan:
         self._per_device: dict[torch.device, DeviceTables] = {torch.device("cpu"): self._host}
         self._lock = threading.RLock()
 
+    def __getstate__(self) -> dict:
+        # Pickling and deep copies carry the host tables; device copies, derived tables and
+        # the lock are rebuilt on use.
+        state = self.__dict__.copy()
+        del state["_lock"]
+        state["_per_device"] = {torch.device("cpu"): self._host}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
     def on(self, device: torch.device | str) -> DeviceTables:
         """The tables on ``device``, copied there on first use and cached for the plan's life."""
         device = torch.device(device)
