@@ -1,13 +1,16 @@
 """knnconv: fast KNN convolution on irregular, foveated sensor layouts."""
 
+from .depthwise import KNNDepthwiseConv, KNNDepthwiseSeparableConv
 from .functional import KNNConvFunction, knn_conv, knn_conv_with_backend
 from .layers import KNNConv
 from .ops import available_backends, get_ops, register_ops
 from .plan import KNNConvPlan, compact_tables, make_plan
+from .pool import KNNPool, knn_pool
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "KNNConv", "KNNConvFunction", "KNNConvPlan", "available_backends", "compact_tables",
-    "get_ops", "knn_conv", "knn_conv_with_backend", "make_plan", "register_ops",
+    "KNNConv", "KNNConvFunction", "KNNConvPlan", "KNNDepthwiseConv", "KNNDepthwiseSeparableConv",
+    "KNNPool", "available_backends", "compact_tables", "get_ops", "knn_conv",
+    "knn_conv_with_backend", "knn_pool", "make_plan", "register_ops",
 ]

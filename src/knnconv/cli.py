@@ -1,4 +1,5 @@
-"""Command line: ``knnconv check`` validates every backend, ``knnconv run`` is the main job.
+"""Command line: ``knnconv check`` validates every backend, ``knnconv run`` is the main job
+(``knnconv bench`` and ``knnconv demo`` live in bench.py and demo.py).
 
 Both compare each backend's forward and backward with the reference backend computed in
 float64 on the same (rounded) inputs, so the reported error is the backend's own.
@@ -13,10 +14,11 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from itertools import pairwise
+from pathlib import Path
 
 import torch
 
-from . import __version__, bench
+from . import __version__, bench, demo
 from .functional import knn_conv
 from .geometry import foveated_stack, knn_geometry
 from .ops import KNNConvOps, available_backends, get_ops
@@ -311,7 +313,23 @@ def build_parser() -> argparse.ArgumentParser:
                              help="output channels of the first layer; each next one doubles")
     bench_help = "time every backend against a roofline floor (JSON, CSV and PNG results)"
     bench.add_arguments(commands.add_parser("bench", help=bench_help, description=bench_help))
+    demo_help = ("train a small foveated KNN network on scikit-learn's handwritten digits and "
+                 "plot it (needs the demo extra: pip install 'knnconv[demo]')")
+    demo_command = commands.add_parser("demo", help=demo_help, description=demo_help)
+    demo_command.add_argument("--epochs", type=positive_int, default=demo.DEFAULT_EPOCHS)
+    demo_command.add_argument("--batch-size", type=positive_int, default=demo.DEFAULT_BATCH_SIZE)
+    demo_command.add_argument("--seed", type=int, default=0,
+                              help="seeds the weights, the split and the shuffling")
+    demo_command.add_argument("--out", type=Path, default=Path("demo.png"), metavar="PNG",
+                              help="where to write the figure (default demo.png)")
+    demo_command.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    demo_command.add_argument("--limit", type=int_at_least(demo.MIN_DIGITS), metavar="N",
+                              help="use only the first N of the 1797 digits, for a quick run")
     return parser
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    return demo.run(args, pick_device(args.device))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -319,5 +337,5 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         args = parser.parse_args(["run"])
-    commands = {"check": check, "run": run, "bench": bench.run}
+    commands = {"check": check, "run": run, "bench": bench.run, "demo": run_demo}
     return commands[args.command](args)

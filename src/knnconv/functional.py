@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .ops.registry import KNNConvOps, resolve_backend
@@ -51,7 +53,7 @@ def validate_call(x, weight, bias, plan) -> None:
 def compute_dtype(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.dtype:
     """The dtype the backend computes in: autocast's when active, else the (common) input dtype."""
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and t.dtype != x.dtype:
@@ -62,8 +64,48 @@ def compute_dtype(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return x.dtype
 
 
+def forward_impl(plan: KNNConvPlan, ops: KNNConvOps, x, weight, bias, dtype: torch.dtype,
+                 keep_for_backward: bool):
+    """y in the compute dtype, and what the weight gradient needs of x (x in the compute dtype,
+    or the backend's own re-layout of it, see KNNConvOps.forward_saving)."""
+    xc, wc = x.to(dtype), weight.to(dtype)
+    bc = None if bias is None else bias.to(dtype)
+    if x.shape[0] == 0:  # an empty batch is legal; no backend needs to handle it
+        return xc.new_empty(0, plan.nout, plan.cout).transpose(1, 2), xc
+    if keep_for_backward:
+        return ops.forward_saving(plan, xc, wc, bc)
+    return ops.forward(plan, xc, wc, bc), xc
+
+
+def backward_impl(plan: KNNConvPlan, ops: KNNConvOps, grad_y, saved_x, weight, needs, dtypes,
+                  dtype: torch.dtype):
+    """(grad_x, grad_weight, grad_bias), None where not needed, each in the dtype of the tensor
+    it belongs to (``dtypes``), accumulated in at least float32."""
+    need_x, need_w, need_b = needs
+    x_dtype, w_dtype, b_dtype = dtypes
+    grad_y = grad_y.to(dtype)
+    wc = weight.to(dtype) if need_x else None
+    grad_x = grad_w = grad_b = None
+    if grad_y.shape[0] == 0:
+        grad_x = grad_y.new_zeros(0, plan.cin, plan.nin)
+        grad_w = grad_y.new_zeros(plan.cout, plan.q)
+    elif need_x and need_w:
+        grad_x, grad_w = ops.backward_combined(plan, grad_y, saved_x, wc)
+    elif need_x:
+        grad_x = ops.grad_input(plan, grad_y, wc)
+    elif need_w:
+        grad_w = ops.grad_weight(plan, grad_y, saved_x)
+    if need_b:
+        acc = torch.float64 if grad_y.dtype == torch.float64 else torch.float32
+        grad_b = grad_y.sum(dim=(0, 2), dtype=acc).to(b_dtype)
+    grad_x = grad_x.to(x_dtype, memory_format=torch.contiguous_format) if need_x else None
+    grad_w = grad_w.to(w_dtype, memory_format=torch.contiguous_format) if need_w else None
+    return grad_x, grad_w, grad_b
+
+
 class KNNConvFunction(torch.autograd.Function):
-    """Differentiable KNN convolution over any registered backend.
+    """Differentiable KNN convolution over any registered backend (the eager path; under
+    torch.compile the same two impls run inside the knnconv custom ops, see torch_ops).
 
     The backend sees tensors in the compute dtype; its float32 gradients are cast straight to
     the dtypes of x, weight and bias, never through the (narrower) compute dtype.
@@ -71,22 +113,13 @@ class KNNConvFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, plan: KNNConvPlan, ops: KNNConvOps, dtype: torch.dtype):
-        xc = x.to(dtype)
-        wc = weight.to(dtype)
-        bc = None if bias is None else bias.to(dtype)
         need_x, need_w = ctx.needs_input_grad[:2]
-        saved_x = xc
-        if x.shape[0] == 0:  # an empty batch is legal; no backend needs to handle it
-            y = xc.new_empty(0, plan.nout, plan.cout).transpose(1, 2)
-        elif need_w:
-            y, saved_x = ops.forward_saving(plan, xc, wc, bc)
-        else:
-            y = ops.forward(plan, xc, wc, bc)
+        y, saved_x = forward_impl(plan, ops, x, weight, bias, dtype, keep_for_backward=need_w)
         if isinstance(saved_x, torch.Tensor):
-            ctx.save_for_backward(saved_x if need_w else None, wc if need_x else None)
+            ctx.save_for_backward(saved_x if need_w else None, weight if need_x else None)
             ctx.saved_input = None
         else:  # a backend's own re-layout of x; it holds no autograd history
-            ctx.save_for_backward(None, wc if need_x else None)
+            ctx.save_for_backward(None, weight if need_x else None)
             ctx.saved_input = saved_x
         ctx.plan, ctx.ops, ctx.compute_dtype = plan, ops, dtype
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -94,29 +127,12 @@ class KNNConvFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        xc, wc = ctx.saved_tensors
+        saved_x, weight = ctx.saved_tensors
         if ctx.saved_input is not None:
-            xc = ctx.saved_input
-        plan, ops = ctx.plan, ctx.ops
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_y = grad_y.to(ctx.compute_dtype)
-        grad_x = grad_w = grad_b = None
-        if grad_y.shape[0] == 0:
-            grad_x = grad_y.new_zeros(0, plan.cin, plan.nin)
-            grad_w = grad_y.new_zeros(plan.cout, plan.q)
-        elif need_x and need_w:
-            grad_x, grad_w = ops.backward_combined(plan, grad_y, xc, wc)
-        elif need_x:
-            grad_x = ops.grad_input(plan, grad_y, wc)
-        elif need_w:
-            grad_w = ops.grad_weight(plan, grad_y, xc)
-        if need_b:
-            acc = torch.float64 if grad_y.dtype == torch.float64 else torch.float32
-            grad_b = grad_y.sum(dim=(0, 2), dtype=acc).to(b_dtype)
-        grad_x = grad_x.to(x_dtype, memory_format=torch.contiguous_format) if need_x else None
-        grad_w = grad_w.to(w_dtype, memory_format=torch.contiguous_format) if need_w else None
-        return grad_x, grad_w, grad_b, None, None, None
+            saved_x = ctx.saved_input
+        grads = backward_impl(ctx.plan, ctx.ops, grad_y, saved_x, weight,
+                              ctx.needs_input_grad[:3], ctx.dtypes, ctx.compute_dtype)
+        return (*grads, None, None, None)
 
 
 def knn_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: KNNConvPlan,
@@ -134,6 +150,12 @@ def knn_conv_with_backend(x, weight, bias, plan, backend="auto") -> tuple[torch.
     validate_call(x, weight, bias, plan)
     dtype = compute_dtype(x, weight, bias)
     ops = resolve_backend(backend, plan, x.device, dtype)
-    with torch.autocast(x.device.type, enabled=False):
+    if torch.compiler.is_compiling():
+        from .torch_ops import knn_conv_op
+
+        return knn_conv_op(x, weight, bias, plan, ops.name, dtype), ops.name
+    autocast_off = (contextlib.nullcontext() if x.device.type == "meta"
+                    else torch.autocast(x.device.type, enabled=False))
+    with autocast_off:
         y = KNNConvFunction.apply(x, weight, bias, plan, ops, dtype)
     return y, ops.name

@@ -9,7 +9,9 @@ backend derives (launch buffers, reverse maps) are built once per device through
 
 from __future__ import annotations
 
+import itertools
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +20,9 @@ import numpy as np
 import torch
 
 INT32_MAX = 2**31 - 1
+# Plans by integer handle: the handle names a plan inside torch.library op calls.
+_plans_by_handle: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_handles = itertools.count()
 SLOT_ALIGN = 64  # P is padded to a multiple of this so every kernel K-tile is full.
 
 
@@ -28,6 +33,8 @@ def _as_index_tensor(name: str, table: Any) -> torch.Tensor:
         raise TypeError(f"{name} must be a torch.Tensor or numpy array, got {type(table).__name__}")
     if table.is_floating_point() or table.is_complex() or table.dtype == torch.bool:
         raise TypeError(f"{name} must have an integer dtype, got {table.dtype}")
+    if table.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor: it has no values to build the tables from")
     return table
 
 
@@ -132,6 +139,18 @@ class KNNConvPlan:
         )
         self._per_device: dict[torch.device, DeviceTables] = {torch.device("cpu"): self._host}
         self._lock = threading.RLock()
+        self._register()
+
+    def _register(self) -> None:
+        self.handle = next(_handles)
+        _plans_by_handle[self.handle] = self
+
+    @staticmethod
+    def from_handle(handle: int) -> KNNConvPlan:
+        plan = _plans_by_handle.get(handle)
+        if plan is None:
+            raise RuntimeError(f"knnconv plan handle {handle} names a plan that no longer exists")
+        return plan
 
     def __getstate__(self) -> dict:
         # Pickling and deep copies carry the host tables; device copies, derived tables and
@@ -144,6 +163,7 @@ class KNNConvPlan:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._lock = threading.RLock()
+        self._register()
 
     def on(self, device: torch.device | str) -> DeviceTables:
         """The tables on ``device``, copied there on first use and cached for the plan's life."""

@@ -156,13 +156,29 @@ def test_grad_input_is_deterministic():
     assert all(torch.equal(runs[0], run) for run in runs[1:])
 
 
-def test_weight_layout_cache_follows_in_place_updates():
+@pytest.mark.parametrize("update", ["in_place", "through_data", "data_assignment"])
+def test_weight_updates_are_seen(update):
     case = make_case(4, batch=20, cin=4, cout=24, dtype=torch.float16, nin=30, nout=12, k=9)
     plan, x, weight, bias, _ = case
-    ops = knnconv.get_ops("cuda")
-    ops.forward(plan, x, weight, bias)
-    weight.mul_(2)  # bumps the version: the cached re-layout must not be reused
-    assert rel_err(ops.forward(plan, x, weight, bias), reference(*case)[0]) < 2e-3
+    conv = knnconv.KNNConv(4, 24, plan.knn_indices, plan.rf_index, nin=plan.nin, v=plan.v)
+    conv = conv.to(DEVICE, torch.float16)
+    conv.weight.data.copy_(weight)
+    conv.bias.data.copy_(bias)
+    conv(x)
+    {"in_place": lambda: conv.weight.detach().mul_(2),
+     "through_data": lambda: conv.weight.data.mul_(2),
+     "data_assignment": lambda: setattr(conv.weight, "data", 2 * weight)}[update]()
+    expected = reference(plan, x, 2 * weight, bias, case[4])[0]
+    assert rel_err(conv(x), expected) < FORWARD_TOLERANCE[torch.float16]
+
+
+def test_inference_mode_under_autocast():
+    plan, x, weight, bias, grad_y = make_case(6, batch=9, cin=4, cout=24, dtype=torch.float32,
+                                              nin=30, nout=12, k=9)
+    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float16):
+        y, ran = knnconv.knn_conv_with_backend(x, weight, bias, plan)
+    expected = reference(plan, *(t.half() for t in (x, weight, bias, grad_y)))[0]
+    assert ran == "cuda" and rel_err(y, expected) < FORWARD_TOLERANCE[torch.float16]
 
 
 def test_auto_policy_and_visible_backend():

@@ -10,7 +10,6 @@ the ``torch_compact`` backend when ``backend="auto"`` (and refused by ``backend=
 from __future__ import annotations
 
 import threading
-import weakref
 from collections import OrderedDict
 
 import torch
@@ -34,7 +33,6 @@ from .launch import (
     ForwardLaunch,
     ReverseTables,
     TransposedInput,
-    _uncached,
     backward,
     backward_combined,
     forward,
@@ -82,31 +80,6 @@ class _RecentLaunches:
         return launch
 
 
-class _WeightLayouts:
-    """Re-laid-out copies of weight tensors (wt for the forward, wr for grad_input), kept while
-    the weight lives and its version is unchanged: a training step re-lays its weight out once
-    for the forward and once for the backward, not once per call and kernel."""
-
-    def __init__(self) -> None:
-        self._entries: dict[tuple, tuple] = {}
-
-    def get(self, weight: torch.Tensor, kind: tuple, build):
-        key = (id(weight), *kind)
-        entry = self._entries.get(key)
-        if entry is not None:
-            alive, version, layout = entry
-            if alive() is weight and version == weight._version:
-                return layout
-        layout = build()
-        if entry is None:
-            weakref.finalize(weight, self._entries.pop, key, None)
-        self._entries[key] = (weakref.ref(weight), weight._version, layout)
-        return layout
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-
 class CudaOps(KNNConvOps):
     """Registry ops backed by the native kernels.
 
@@ -123,7 +96,6 @@ class CudaOps(KNNConvOps):
         self._verified: set[tuple] = set()
         self._device_reasons: dict[int, str | None] = {}
         self._lock = threading.Lock()
-        self.weight_layouts = _WeightLayouts()
 
     def _device_reason(self, index: int) -> str | None:
         if index not in self._device_reasons:
@@ -179,9 +151,6 @@ class CudaOps(KNNConvOps):
         return plan.derived(device, "cuda.reverse",
                             lambda t: reverse_tables(t.knn_indices, t.rf_index, plan.nin))
 
-    def _cached_layouts(self, weight: torch.Tensor):
-        return lambda kind, build: self.weight_layouts.get(weight, kind, build)
-
     @staticmethod
     def _launch_plan(plan: KNNConvPlan, device: torch.device, key: tuple, build):
         launches = plan.derived(device, "cuda.launches", lambda tables: _RecentLaunches())
@@ -196,7 +165,7 @@ class CudaOps(KNNConvOps):
         first = self._first_use(key)
         tables = plan.on(device)
         y, saved = launch.run(x, weight, bias, tables.input_linear, tables.weight_linear,
-                              poison_output=first, cached=self._cached_layouts(weight))
+                              poison_output=first)
         if first:
             self._canary(key, y, self._oracle.forward(plan, x, weight, bias))
         return y, saved
@@ -212,13 +181,13 @@ class CudaOps(KNNConvOps):
                                    nout=plan.nout, q=plan.q, p64=plan.p64, dtype=grad_y.dtype,
                                    device=device, need_input=need_input,
                                    need_weight=need_weight))
-        keys = {role: (*launch.configs[role], grad_y.dtype, device)
+        keys = {role: (launch.configs[role][0], grad_y.dtype, launch.configs[role][1], device)
                 for role, needed in (("input", need_input), ("weight", need_weight)) if needed}
         first = {role for role, key in keys.items() if self._first_use(key)}
         tables = plan.on(device)
         reverse = self.reverse(plan, device) if launch.algorithm == "gather" else None
         dx, dw = launch.run(grad_y, x, weight, tables.input_linear, tables.weight_linear,
-                            reverse, self._cached_layouts(weight) if need_input else _uncached)
+                            reverse)
         if "input" in first:
             self._canary(keys["input"], dx, self._oracle.grad_input(plan, grad_y, weight))
         if "weight" in first:
@@ -237,9 +206,6 @@ class CudaOps(KNNConvOps):
 
 
 def clear_kernel_cache() -> None:
-    """Drop compiled-module references and re-laid-out weights (CuPy's on-disk cache is kept;
-    layers' launch plans keep the kernels they resolved)."""
+    """Drop compiled-module references (CuPy's on-disk cache is kept; layers' launch plans
+    keep the kernels they resolved)."""
     clear_modules()
-    from ..registry import get_ops
-
-    get_ops("cuda").weight_layouts.clear()

@@ -80,6 +80,12 @@ def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@cache
+def _shared_memory_limit(device_index: int) -> int:
+    """Dynamic shared memory one block may opt in to on this device."""
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
 class _Transpose:
     """dst[z, c, a] = src[z, a, c] for every (z, a, c) of ``dst_extents``, zero wherever it
     lies past ``src_extents``. Extents are (z, a, c); dst_strides are dst's (z, c) strides
@@ -213,10 +219,6 @@ def reverse_tables(knn_indices: torch.Tensor, rf_index: torch.Tensor, nin: int) 
                          cell[order].int().contiguous())
 
 
-def _uncached(kind: tuple, build):
-    return build()
-
-
 def padded_batch(batch: int, *configs: tuple[str, KernelConfig]) -> int:
     """The batch padded so every given (family, config)'s batch tile divides it."""
     return _round_up(batch, math.lcm(*(cfg.bk if family == "grad_weight" else cfg.tile_m
@@ -242,7 +244,8 @@ class ForwardLaunch:
                  dtype: torch.dtype, device: torch.device, config: KernelConfig | None = None,
                  input_dtype: torch.dtype | None = None) -> None:
         self.cfg = cfg = check_config(
-            "forward", config or default_config(batch, cout, p64, dtype, nout), p64=p64)
+            "forward", config or default_config(batch, cout, p64, dtype, nout), p64=p64,
+            max_shared_bytes=_shared_memory_limit(device.index))
         bpad = padded_batch(batch, ("forward", cfg),
                             *_default_backward_tiles(batch, cin, cout, p64))
         self.batch, self.bpad, self.cpad = batch, bpad, _round_up(cout, cfg.bn)
@@ -252,11 +255,10 @@ class ForwardLaunch:
         self.gemm = _Gemm("forward", cfg, dtype, device.index,
                           (nout, self.cpad // cfg.bn, bpad // cfg.tile_m))
 
-    def run(self, x, weight, bias, input_linear, weight_linear, *, poison_output=False,
-            cached=_uncached):
+    def run(self, x, weight, bias, input_linear, weight_linear, *, poison_output=False):
         saved = self.input_layout(x)
         cpad, dtype = self.cpad, self.dtype
-        wt = cached(("wt", cpad, dtype), lambda: transposed_weight(weight, cpad, dtype))
+        wt = transposed_weight(weight, cpad, dtype)
         shape = (self.batch, self.nout, self.cout)
         y = (torch.full(shape, math.nan, dtype=dtype, device=wt.device) if poison_output
              else torch.empty(shape, dtype=dtype, device=wt.device))
@@ -288,11 +290,13 @@ class BackwardLaunch:
         if algorithm not in ("gather", "scatter"):
             raise ValueError(f"algorithm must be 'gather' or 'scatter', got {algorithm!r}")
         input_family = "grad_input" if algorithm == "gather" else "grad_input_scatter"
+        limit = _shared_memory_limit(index)
         gi = check_config(input_family, input_config or (
             default_grad_input_config(batch, cin) if algorithm == "gather"
-            else default_grad_input_scatter_config(batch)), p64=p64)
+            else default_grad_input_scatter_config(batch)), p64=p64, max_shared_bytes=limit)
         gw = check_config("grad_weight",
-                          weight_config or default_grad_weight_config(batch, cout, p64), p64=p64)
+                          weight_config or default_grad_weight_config(batch, cout, p64), p64=p64,
+                          max_shared_bytes=limit)
         needed = [pair for pair, wanted in (((input_family, gi), need_input),
                                             (("grad_weight", gw), need_weight)) if wanted]
         self.bpad = bpad = padded_batch(batch, *needed)
@@ -330,8 +334,7 @@ class BackwardLaunch:
             self.restore_dw = _Transpose(torch.float32, grad_dtypes[1], index, (1, q, cout),
                                          (1, q, cout), (0, q))
 
-    def run(self, grad_y, x, weight, input_linear, weight_linear, reverse: ReverseTables | None,
-            cached=_uncached):
+    def run(self, grad_y, x, weight, input_linear, weight_linear, reverse: ReverseTables | None):
         """(dx, dW), None for a gradient not needed. x: [B, Cin, Nin] or the forward's
         TransposedInput; reverse: the reversed graph (gather only)."""
         device, dtype = grad_y.device, self.dtype
@@ -342,8 +345,7 @@ class BackwardLaunch:
         dx = dw = None
         if self.need_input and self.algorithm == "gather":
             cinpad = self.cinpad
-            wr = cached(("wr", gpad, cinpad, dtype),
-                        lambda: weight_by_cell(weight, cin, gpad, cinpad, dtype))
+            wr = weight_by_cell(weight, cin, gpad, cinpad, dtype)
             out = torch.empty(batch, nin, cin, dtype=torch.float32, device=device)
             self.input_gemm(gt.data_ptr(), wr.data_ptr(), reverse.pair_node.data_ptr(),
                             reverse.pair_cell.data_ptr(), reverse.pair_start.data_ptr(), 0,
@@ -351,7 +353,7 @@ class BackwardLaunch:
             dx = torch.empty(batch, cin, nin, dtype=self.grad_dtypes[0], device=device)
             self.restore_dx(out, dx, (nin * cin, cin, 1))
         elif self.need_input:
-            wt = cached(("wt", gpad, dtype), lambda: transposed_weight(weight, gpad, dtype))
+            wt = transposed_weight(weight, gpad, dtype)
             dxt = torch.zeros(cin * nin, bpad, dtype=torch.float32, device=device)
             self.input_gemm(gt.data_ptr(), wt.data_ptr(), input_linear.data_ptr(),
                             weight_linear.data_ptr(), dxt.data_ptr(), batch, bpad, gpad,

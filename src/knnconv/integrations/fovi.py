@@ -1,0 +1,336 @@
+"""Run the KNN layers of a fovi model through knnconv: :func:`accelerate`.
+
+fovi's KNN layers keep their geometry as tables that are knnconv's own: ``knn_indices_pad_token``
+[K, Nout], in which ``knn_pad_token_val`` (= Nin) marks a padding neighbour, is knnconv's
+``knn_indices``; the one-hot ``local_rf`` [Nout, K, V] assigns each neighbour one kernel cell,
+and its argmax over V is knnconv's ``rf_index``; the conv weight [Cout, Cin*V] has knnconv's
+layout. So each layer keeps its parameters and only its forward changes.
+
+What is routed, and how:
+
+- ``KNNConvLayer`` and the ViT patch embeddings (``KNNPatchEmbedding``,
+  ``PartitioningPatchEmbedding``, ``KNNPartitioningPatchEmbedding``): one :func:`knn_conv`.
+- ``KNNDepthwiseConvLayer`` and ``KNNDepthwiseSeparableConvLayer``: a :func:`knn_conv` over
+  single channels with the identity kernel sums every channel's neighbours into their V kernel
+  cells; the per-channel kernel (and the pointwise ``p_conv``) then run as torch ops. fovi
+  2.4.0's own forward of these two classes raises (its ``_apply_local_rf`` returns
+  [B, N, C*V], which their einsum reads as [B, C, V, N]); the routed layers compute what that
+  einsum spells out, the features of ``_apply_local_rf`` read as [B, N, C, V].
+- ``KNNPoolingLayer`` in ``max``, ``avg`` and ``sum`` modes: :class:`knnconv.pool.KNNPool`.
+
+Left as they are, and named in the report: ``gaussian`` pooling (knnconv's pooling has no such
+mode), ``KNNGetterLayer`` (it returns the neighbourhoods themselves) and any subclass that
+overrides a method of fovi's forward path, whose meaning knnconv cannot know.
+
+For finite inputs the routed layers give fovi's outputs and gradients. Where fovi differs:
+its pooling skips a NaN input as if it were padding (knnconv's propagates it), and its max
+pooling sends the gradient of tied maxima to one of them (knnconv's shares it).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..functional import knn_conv_with_backend
+from ..ops import get_ops
+from ..plan import KNNConvPlan, make_plan
+from ..pool import POOL_MODES, KNNPool
+
+try:
+    from fovi.arch import knn as fovi_knn
+except ImportError as error:
+    raise ImportError(
+        "knnconv.integrations.fovi needs fovi and the packages its KNN layers import: "
+        "pip install --no-deps 'fovi==2.4.0' && pip install 'knnconv[fovi]'"
+    ) from error
+
+# The methods fovi's layer forwards run through; a subclass that overrides one of them computes
+# something this module cannot know, so it is left as it is.
+_FORWARD_PATH = ("forward", "_pad_and_gather_knns", "_apply_local_rf", "_mask_invalid_outputs")
+
+# knnconv's pooling runs as plain torch ops; this is the ``last_backend`` of a routed pooling.
+POOL_BACKEND = "torch"
+
+
+class _Unroutable(Exception):
+    """Why a layer cannot run through knnconv; accelerate reports it and leaves the layer."""
+
+
+def _checked_plan(knn_indices, rf_index, *, nin: int, v: int, cin: int,
+                  cout: int) -> KNNConvPlan:
+    try:
+        return make_plan(knn_indices, rf_index, nin=nin, v=v, cin=cin, cout=cout)
+    except (TypeError, ValueError) as error:
+        raise _Unroutable(f"knnconv rejects its tables: {error}") from error
+
+
+def _knn_tables(layer) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """knnconv's knn_indices [K, Nout], rf_index [Nout, K], nin and v from a fovi conv layer."""
+    local_rf = layer.local_rf.detach().cpu()
+    binary = ((local_rf == 0) | (local_rf == 1)).all()
+    if local_rf.dim() != 3 or not binary or not (local_rf.sum(dim=2) == 1).all():
+        raise _Unroutable("its local_rf does not put each neighbour in exactly one kernel cell")
+    knn_indices = layer.knn_indices_pad_token.detach().cpu()
+    return knn_indices, local_rf.argmax(dim=2), int(layer.knn_pad_token_val), local_rf.shape[2]
+
+
+def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != expected:
+        raise _Unroutable(f"its {name} has shape {tuple(tensor.shape)}, expected {expected}")
+
+
+class _Router:
+    """A routed layer's forward, set as the layer's instance attribute ``forward``.
+
+    It reads the layer's parameters at every call, so they stay the layer's own, and writes
+    the name of the backend that ran to ``layer.last_backend``.
+    """
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _PlanRouter(_Router):
+    """A router whose layer runs through :func:`knn_conv` over a plan built from its tables."""
+
+    def __init__(self, layer: nn.Module, backend: str) -> None:
+        super().__init__(layer)
+        self.backend = backend
+        self._plan = self._build_plan()
+
+    def _build_plan(self) -> KNNConvPlan:
+        raise NotImplementedError
+
+    @property
+    def plan(self) -> KNNConvPlan:
+        if self._plan is None:
+            self._plan = self._build_plan()
+        return self._plan
+
+    def __getstate__(self) -> dict:
+        # A KNNConvPlan holds a lock and per-device caches, which neither pickle nor deepcopy;
+        # a copy rebuilds its plan from its layer's tables on its first call.
+        return {**self.__dict__, "_plan": None}
+
+    def _zero_nodes_without_neighbours(self, y: torch.Tensor) -> torch.Tensor:
+        """fovi's outputs are 0, bias included, at nodes whose neighbours are all padding."""
+        plan = self.plan
+        has_neighbours = lambda tables: (tables.knn_indices != plan.nin).any(dim=0)
+        if plan.derived("cpu", "fovi_every_node_has_neighbours",
+                        lambda tables: bool(has_neighbours(tables).all())):
+            return y
+        return torch.where(plan.derived(y.device, "fovi_has_neighbours", has_neighbours), y, 0.0)
+
+
+class _ConvRouter(_PlanRouter):
+    """fovi's KNNConvLayer: one knn_conv with the layer's weight and bias."""
+
+    def _build_plan(self) -> KNNConvPlan:
+        layer = self.layer
+        knn_indices, rf_index, nin, v = _knn_tables(layer)
+        _check_shape("weight", layer.weight, (layer.out_channels, layer.in_channels * v))
+        return _checked_plan(knn_indices, rf_index, nin=nin, v=v, cin=layer.in_channels,
+                             cout=layer.out_channels)
+
+    def describe(self) -> str:
+        return f"knn_conv, backend={self.backend!r}, {self.plan}"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        layer = self.layer
+        y, layer.last_backend = knn_conv_with_backend(x, layer.weight, layer.bias, self.plan,
+                                                      self.backend)
+        return self._zero_nodes_without_neighbours(y)
+
+
+class _PatchEmbeddingRouter(_ConvRouter):
+    """fovi's ViT patch embeddings: the conv on [B, C, N] or [B, C, H, W] input, whose tokens
+    come out [B, N, D] unless the layer is ``transposed``."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = super().__call__(x.flatten(2) if x.dim() == 4 else x)
+        return tokens if self.layer.transposed else tokens.transpose(1, 2)
+
+
+class _DepthwiseRouter(_PlanRouter):
+    """fovi's depthwise conv, y[b, c*G + g, n] = bias + sum_k x[b, c, knn[k, n]] W[c, rf[n, k], g].
+
+    A knn_conv over one channel (channels ride in the batch) with the identity [V, V] kernel
+    sums each channel's neighbours into their V kernel cells; the per-channel kernel is then an
+    einsum. One knn_conv with the block-diagonal [Cout, Cin*V] weight would compute the same
+    with Cin times the work.
+    """
+
+    kernel_name = "weight"
+
+    def _build_plan(self) -> KNNConvPlan:
+        layer = self.layer
+        knn_indices, rf_index, nin, v = _knn_tables(layer)
+        multiplier = layer.out_channels // layer.in_channels
+        _check_shape(self.kernel_name, getattr(layer, self.kernel_name),
+                     (layer.in_channels, v, multiplier))
+        return _checked_plan(knn_indices, rf_index, nin=nin, v=v, cin=1, cout=v)
+
+    def describe(self) -> str:
+        return (f"knn_conv over single channels into the kernel cells, then the per-channel "
+                f"kernel; backend={self.backend!r}, {self.plan}")
+
+    def _depthwise(self, x: torch.Tensor) -> torch.Tensor:
+        plan, layer = self.plan, self.layer
+        batch, channels, nin = x.shape
+        cells = torch.eye(plan.v, dtype=x.dtype, device=x.device)
+        binned, layer.last_backend = knn_conv_with_backend(
+            x.reshape(batch * channels, 1, nin), cells, None, plan, self.backend)
+        binned = binned.reshape(batch, channels, plan.v, plan.nout)
+        kernel = getattr(layer, self.kernel_name)
+        return torch.einsum("bcvn,cvg->bcgn", binned, kernel).reshape(batch, -1, plan.nout)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._depthwise(x)
+        if self.layer.bias is not None:
+            y = y + self.layer.bias[:, None]
+        return self._zero_nodes_without_neighbours(y)
+
+
+class _DepthwiseSeparableRouter(_DepthwiseRouter):
+    """fovi's depthwise-separable conv: the depthwise step on ``dw_conv``, then ``p_conv`` mixes
+    the channels (the layer's ``weight`` and ``bias`` take no part, as in fovi)."""
+
+    kernel_name = "dw_conv"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        mixed = self.layer.p_conv(self._depthwise(x).transpose(1, 2)).transpose(1, 2)
+        return self._zero_nodes_without_neighbours(mixed)
+
+
+class _PoolRouter(_Router):
+    """fovi's KNNPoolingLayer: knnconv's KNNPool over the layer's table, in the layer's mode.
+
+    Pooling has one implementation, so ``backend`` does not apply to it.
+    """
+
+    def __init__(self, layer: nn.Module, backend: str) -> None:
+        super().__init__(layer)
+        if layer.mode not in POOL_MODES:
+            raise _Unroutable(f"knnconv's pooling has no {layer.mode!r} mode (it has "
+                              f"{', '.join(POOL_MODES)})")
+        try:
+            self.pool = KNNPool(layer.knn_indices_pad_token.detach().cpu(),
+                                nin=int(layer.knn_pad_token_val), mode=layer.mode)
+        except (TypeError, ValueError) as error:
+            raise _Unroutable(f"knnconv rejects its table: {error}") from error
+
+    def describe(self) -> str:
+        return f"KNNPool({self.pool.extra_repr()})"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pool.knn_indices.device != x.device:
+            self.pool.to(x.device)
+        self.layer.last_backend = POOL_BACKEND
+        return self.pool(x)
+
+
+def _routers() -> dict[type, type[_Router]]:
+    """The router of each fovi layer class, most derived classes matched first by the MRO."""
+    routers: dict[type, type[_Router]] = {
+        fovi_knn.KNNConvLayer: _ConvRouter,
+        fovi_knn.KNNDepthwiseConvLayer: _DepthwiseRouter,
+        fovi_knn.KNNDepthwiseSeparableConvLayer: _DepthwiseSeparableRouter,
+        fovi_knn.KNNPoolingLayer: _PoolRouter,
+    }
+    # fovi's ViT module imports transformers; a model that holds one of its patch embeddings
+    # has imported it already, so only a loaded module is looked at.
+    knnvit = sys.modules.get("fovi.models.knnvit")
+    if knnvit is not None:
+        routers[knnvit.KNNPatchEmbedding] = _PatchEmbeddingRouter
+    return routers
+
+
+def _router_class(layer: nn.Module, routers: dict[type, type[_Router]]) -> type[_Router]:
+    layer_class = type(layer)
+    fovi_class = next((c for c in layer_class.__mro__ if c in routers), None)
+    if fovi_class is None:
+        raise _Unroutable(f"knnconv has no counterpart of fovi's {layer_class.__name__}")
+    overridden = [name for name in _FORWARD_PATH
+                  if getattr(layer_class, name, None) is not getattr(fovi_class, name, None)]
+    if overridden:
+        raise _Unroutable(f"{layer_class.__name__} overrides {', '.join(overridden)} of fovi's "
+                          f"{fovi_class.__name__}")
+    own_forward = vars(layer).get("forward")
+    if own_forward is not None and not isinstance(own_forward, _Router):
+        raise _Unroutable("the layer already has a forward of its own, set on the instance")
+    return routers[fovi_class]
+
+
+@dataclass(frozen=True)
+class LayerReport:
+    """One fovi KNN layer of the model: how it now runs, or why it was left as it is."""
+
+    name: str  # its name in model.named_modules(); "" is the model itself
+    layer_class: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.name or '<model>'} ({self.layer_class}): {self.detail}"
+
+
+@dataclass
+class AccelerationReport:
+    """What :func:`accelerate_with_report` did to each fovi KNN layer of a model."""
+
+    routed: list[LayerReport] = field(default_factory=list)
+    left: list[LayerReport] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"knnconv routed {len(self.routed)} fovi KNN layer(s) and left "
+                 f"{len(self.left)} as they are"]
+        lines += [f"  routed: {entry}" for entry in self.routed]
+        lines += [f"  left: {entry}" for entry in self.left]
+        return "\n".join(lines)
+
+
+def accelerate_with_report(model: nn.Module,
+                           backend: str = "auto") -> tuple[nn.Module, AccelerationReport]:
+    """Like :func:`accelerate`, returning the model and the report instead of warning."""
+    if backend != "auto":
+        get_ops(backend)  # an unknown name raises here, before any layer has changed
+    routers = _routers()
+    report = AccelerationReport()
+    for name, layer in model.named_modules():
+        if not isinstance(layer, fovi_knn.KNNBaseLayer):
+            continue
+        try:
+            router = _router_class(layer, routers)(layer, backend)
+        except _Unroutable as why:
+            report.left.append(LayerReport(name, type(layer).__name__, str(why)))
+            continue
+        layer.forward = router
+        layer.last_backend = None
+        report.routed.append(LayerReport(name, type(layer).__name__, router.describe()))
+    return model, report
+
+
+def accelerate(model: nn.Module, backend: str = "auto") -> nn.Module:
+    """Route every KNN layer of a fovi model through knnconv, in place; returns the model.
+
+    Each routed layer stays the same object, with the same class, attributes, parameters and
+    state_dict; it gets a new ``forward`` (an instance attribute: ``del layer.forward`` gives
+    fovi's back) and ``last_backend``, the name of the backend that ran its last call.
+    ``backend`` is knnconv's (see :func:`knnconv.knn_conv`). Layers that cannot be routed are
+    left as they are, and a warning lists them with the reason; so does a model with no fovi
+    KNN layer. :func:`accelerate_with_report` returns the report instead.
+    """
+    model, report = accelerate_with_report(model, backend)
+    if report.left or not report.routed:
+        warnings.warn(str(report), stacklevel=2)
+    return model

@@ -1,0 +1,100 @@
+"""KNN pooling: every output node reduces its K nearest inputs, channel by channel.
+
+y[b, c, n] = reduce over the real neighbours k of n of x[b, c, knn[k, n]], where ``knn[k, n]
+== Nin`` marks a padding neighbour that takes no part: ``max`` is the largest real value,
+``avg`` the sum over the real neighbours divided by their count, ``sum`` their sum. A node
+whose neighbours are all padding gives 0 in every mode.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .geometry import knn_geometry
+from .neighbours import check_features, gather_neighbours
+from .plan import _as_index_tensor, _check_positive
+
+POOL_MODES = ("max", "avg", "sum")
+
+
+def knn_pool(x: torch.Tensor, knn_indices, nin: int, mode: str = "max") -> torch.Tensor:
+    """Pool x [B, C, Nin] over each output node's neighbours; returns [B, C, Nout].
+
+    knn_indices: integer [K, Nout], entries in [0, nin] (nin = padding neighbour). Gradients
+    flow like ``torch.amax`` (shared equally between tied maxima) in ``max`` mode.
+    """
+    nin = _check_positive("nin", nin)
+    knn_indices = check_knn_indices(knn_indices, nin)
+    check_features(x, nin)
+    return pool_neighbours(x, knn_indices.to(x.device), nin, check_mode(mode))
+
+
+def check_knn_indices(knn_indices, nin: int) -> torch.Tensor:
+    """knn_indices as int64 [K, Nout]; TypeError/ValueError naming it unless it is a valid table."""
+    knn_indices = _as_index_tensor("knn_indices", knn_indices)
+    if knn_indices.dim() != 2 or 0 in knn_indices.shape:
+        raise ValueError(
+            f"knn_indices must be 2-D [K, Nout] with K, Nout >= 1, got shape "
+            f"{tuple(knn_indices.shape)}"
+        )
+    low, high = int(knn_indices.min()), int(knn_indices.max())
+    if low < 0 or high > nin:
+        raise ValueError(
+            f"knn_indices entries must lie in [0, nin] = [0, {nin}] (nin marks padding), "
+            f"got range [{low}, {high}]"
+        )
+    return knn_indices.to(torch.int64)
+
+
+def check_mode(mode) -> str:
+    if mode not in POOL_MODES:
+        raise ValueError(f"mode must be one of {POOL_MODES}, got {mode!r}")
+    return mode
+
+
+def pool_neighbours(x: torch.Tensor, knn_indices: torch.Tensor, nin: int,
+                    mode: str) -> torch.Tensor:
+    """The pooling itself, on already validated arguments (knn_indices int64 on x's device)."""
+    real = knn_indices != nin  # [K, Nout]
+    if mode == "max":
+        # -inf padding never wins a max over a real value; nodes with no real neighbour would
+        # give -inf, and are set to 0 by a where whose backward sends them no gradient.
+        pooled = gather_neighbours(x, knn_indices, fill=-torch.inf).amax(dim=2)
+        return torch.where(real.any(dim=0), pooled, 0.0)
+    pooled = gather_neighbours(x, knn_indices, fill=0.0).sum(dim=2)
+    if mode == "avg":
+        # Clamping the count at 1 leaves an all-padding node at its sum, 0.
+        pooled = pooled / real.sum(dim=0).clamp_min(1).to(pooled.dtype)
+    return pooled
+
+
+class KNNPool(nn.Module):
+    """KNN pooling layer (see :func:`knn_pool`); x [B, C, Nin] -> [B, C, Nout].
+
+    The neighbour table is a non-persistent buffer: it follows ``.to(device)`` and stays out of
+    the state_dict, like the KNNConv geometry.
+    """
+
+    knn_indices: torch.Tensor
+
+    def __init__(self, knn_indices, *, nin: int, mode: str = "max") -> None:
+        super().__init__()
+        self.nin = _check_positive("nin", nin)
+        self.mode = check_mode(mode)
+        self.register_buffer("knn_indices", check_knn_indices(knn_indices, self.nin),
+                             persistent=False)
+
+    @classmethod
+    def from_coords(cls, in_coords, out_coords, k: int, *, mode: str = "max") -> KNNPool:
+        """Pool each output point over its ``k`` nearest input points (see knnconv.geometry)."""
+        knn_indices, _, _ = knn_geometry(in_coords, out_coords, k)
+        return cls(knn_indices, nin=len(in_coords), mode=mode)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_features(x, self.nin)
+        return pool_neighbours(x, self.knn_indices, self.nin, self.mode)
+
+    def extra_repr(self) -> str:
+        k, nout = self.knn_indices.shape
+        return f"nin={self.nin}, nout={nout}, k={k}, mode={self.mode!r}"

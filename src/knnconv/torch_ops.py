@@ -1,0 +1,113 @@
+"""The knnconv custom ops (torch.library), so torch.compile sees KNN convolution as opaque
+nodes with shape functions and a registered backward, and compiles a network of KNNConv
+layers without graph breaks.
+
+Eager calls take KNNConvFunction (cheaper per call); traced calls take these ops. Both run
+functional.forward_impl / backward_impl, so the two paths compute the same thing. A plan
+travels through the op schema as its integer handle (KNNConvPlan.handle).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ops.registry import get_ops
+from .plan import KNNConvPlan
+
+
+def _plan(handle: int) -> KNNConvPlan:
+    return KNNConvPlan.from_handle(handle)
+
+
+def _pack_saved(saved_x, x: torch.Tensor) -> torch.Tensor:
+    """The saved input as an op output: a backend's re-layout tensor, or an empty placeholder
+    when the backward should use x itself."""
+    return saved_x.xt if hasattr(saved_x, "xt") else x.new_empty(0)
+
+
+def _unpack_saved(saved: torch.Tensor, x: torch.Tensor, dtype: torch.dtype, plan: KNNConvPlan):
+    if saved.numel() == 0:
+        return x.to(dtype)
+    from .ops.cuda.launch import TransposedInput
+
+    return TransposedInput(saved, x.shape[0], plan.cin, plan.nin)
+
+
+@torch.library.custom_op("knnconv::forward", mutates_args=())
+def forward_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: int,
+               backend: str, dtype: torch.dtype, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, saved): y [B, Cout, Nout] in ``dtype``; saved, the backend's re-layout of x for the
+    backward (empty when the backward uses x itself)."""
+    from .functional import forward_impl
+
+    y, saved_x = forward_impl(_plan(plan), get_ops(backend), x, weight, bias, dtype, keep)
+    return y.clone() if y._base is x else y, _pack_saved(saved_x, x)
+
+
+def _saved_shape(plan: KNNConvPlan, backend: str, batch, dtype: torch.dtype, keep: bool):
+    if not keep or backend != "cuda":
+        return (0,)
+    from .ops.cuda.configs import default_config
+    from .ops.cuda.launch import _default_backward_tiles, padded_batch
+
+    cfg = default_config(batch, plan.cout, plan.p64, dtype, plan.nout)
+    tiles = _default_backward_tiles(batch, plan.cin, plan.cout, plan.p64)
+    return (plan.cin * plan.nin + 1, padded_batch(batch, ("forward", cfg), *tiles))
+
+
+@forward_op.register_fake
+def _(x, weight, bias, plan, backend, dtype, keep):
+    layer = _plan(plan)
+    y = x.new_empty(x.shape[0], layer.nout, layer.cout, dtype=dtype).transpose(1, 2)
+    return y, x.new_empty(_saved_shape(layer, backend, x.shape[0], dtype, keep), dtype=dtype)
+
+
+@torch.library.custom_op("knnconv::backward", mutates_args=())
+def backward_op(grad_y: torch.Tensor, x: torch.Tensor, saved: torch.Tensor,
+                weight: torch.Tensor, plan: int, backend: str, dtype: torch.dtype,
+                need_x: bool, need_w: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_x, grad_weight) in the dtypes of x and weight; empty where not needed."""
+    from .functional import backward_impl
+
+    layer = _plan(plan)
+    saved_x = _unpack_saved(saved, x, dtype, layer) if need_w else None
+    grad_x, grad_w, _ = backward_impl(layer, get_ops(backend), grad_y, saved_x, weight,
+                                      (need_x, need_w, False), (x.dtype, weight.dtype, None),
+                                      dtype)
+    return (grad_x if need_x else x.new_empty(0),
+            grad_w if need_w else weight.new_empty(0))
+
+
+@backward_op.register_fake
+def _(grad_y, x, saved, weight, plan, backend, dtype, need_x, need_w):
+    return (torch.empty_like(x) if need_x else x.new_empty(0),
+            torch.empty_like(weight) if need_w else weight.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, plan, backend, dtype, keep = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.plan, ctx.backend, ctx.dtype = plan, backend, dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _backward(ctx, grad_y, _grad_saved):
+    x, weight, saved = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    grad_x, grad_w = backward_op(grad_y, x, saved, weight, ctx.plan, ctx.backend, ctx.dtype,
+                                 need_x, need_w)
+    grad_b = None
+    if need_b:
+        acc = torch.float64 if ctx.dtype == torch.float64 else torch.float32
+        grad_b = grad_y.to(ctx.dtype).sum(dim=(0, 2), dtype=acc).to(ctx.bias_dtype)
+    return (grad_x if need_x else None, grad_w if need_w else None, grad_b, None, None, None,
+            None)
+
+
+forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def knn_conv_op(x, weight, bias, plan: KNNConvPlan, backend: str, dtype: torch.dtype):
+    """knn_conv through the custom ops (the traced path of functional.knn_conv)."""
+    keep = weight.requires_grad and torch.is_grad_enabled()
+    return forward_op(x, weight, bias, plan.handle, backend, dtype, keep)[0]
