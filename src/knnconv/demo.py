@@ -2,8 +2,8 @@
 
 Each 8x8 digit is upsampled to a 32x32 image and read by a foveated sensor (the first layout
 of ``foveated_stack(resolution=32)``, 846 points, dense at the centre); two KNN conv stages
-with max-pooling, a global average and a linear layer classify it. The run prints one line
-per epoch, writes a PNG (the sensor's sampling pattern, one digit as the sensor sees it, and
+with max-pooling, a global average and a linear layer classify it. The run shows a progress
+bar, prints the loss and accuracies of every epoch, writes a PNG (the sensor's sampling pattern, one digit as the sensor sees it, and
 the loss and accuracy curves) and ends with the line ``test accuracy: 0.xxx``.
 
 On a GPU the training runs under float16 autocast, where backend "auto" picks the native
@@ -66,6 +66,7 @@ def require(module: str, package: str):
 
 
 def load_sensor_digits(sensor: torch.Tensor, *, limit: int | None, seed: int) -> SensorDigits:
+    """The first ``limit`` digits (all 1797 when None), upsampled and read by ``sensor``."""
     datasets = require("sklearn.datasets", "scikit-learn")
     model_selection = require("sklearn.model_selection", "scikit-learn")
     digits = datasets.load_digits()

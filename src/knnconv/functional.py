@@ -98,8 +98,8 @@ def backward_impl(plan: KNNConvPlan, ops: KNNConvOps, grad_y, saved_x, weight, n
     if need_b:
         acc = torch.float64 if grad_y.dtype == torch.float64 else torch.float32
         grad_b = grad_y.sum(dim=(0, 2), dtype=acc).to(b_dtype)
-    grad_x = grad_x.to(x_dtype, memory_format=torch.contiguous_format) if need_x else None
-    grad_w = grad_w.to(w_dtype, memory_format=torch.contiguous_format) if need_w else None
+    grad_x = grad_x.to(x_dtype).contiguous() if need_x else None
+    grad_w = grad_w.to(w_dtype).contiguous() if need_w else None
     return grad_x, grad_w, grad_b
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from .functional import _check_tensor
 
 
-def check_features(x, nin: int, channels: int | None = None) -> torch.Tensor:
+def check_features(x, nin: int, channels: int | None = None) -> None:
     """Raise TypeError/ValueError naming ``x`` unless it is a floating [B, channels, nin] tensor
     (any channel count when ``channels`` is None)."""
     _check_tensor("x", x)
@@ -24,7 +24,6 @@ def check_features(x, nin: int, channels: int | None = None) -> torch.Tensor:
     if x.shape[2] != nin or (channels is not None and x.shape[1] != channels):
         expected = "C" if channels is None else f"C={channels}"
         raise ValueError(f"x must have shape [B, {expected}, Nin={nin}], got {tuple(x.shape)}")
-    return x
 
 
 def gather_neighbours(x: torch.Tensor, knn_indices: torch.Tensor, fill: float) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The oracle: fovi's original formulation (pad, gather, one-hot binning, linear).
 
 Slow and memory hungry by design; it is the definition every other backend is tested
-against. Its gradients come from PyTorch autograd over that same formulation.
+against. Its gradients are that formulation's transposes, written out (no autograd, so they
+also run inside the custom ops).
 """
 
 from __future__ import annotations
@@ -20,32 +21,34 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 class ReferenceOps(KNNConvOps):
     name = "reference"
 
-    def forward(self, plan, x, weight, bias):
+    @staticmethod
+    def _binned(plan: KNNConvPlan, x):
+        """[B, Nout, Cin*V]: each node's neighbours summed per reference cell."""
         tables = plan.on(x.device)
         padded = F.pad(x, (0, 1))  # the padding neighbour Nin reads this zero column
         neighbours = padded[:, :, tables.knn_indices]  # [B, Cin, K, Nout]
         one_hot = F.one_hot(tables.rf_index, plan.v).to(x.dtype)  # [Nout, K, V]
         binned = torch.einsum("bckn,nkv->bncv", neighbours, one_hot)
-        y = F.linear(binned.reshape(x.shape[0], plan.nout, plan.q), weight, bias)
-        return y.transpose(1, 2)
+        return binned.reshape(x.shape[0], plan.nout, plan.q)
 
-    def _gradients(self, plan: KNNConvPlan, grad_y, x, weight, wanted):
-        with torch.enable_grad():
-            x = x.detach().requires_grad_(wanted[0])
-            weight = weight.detach().requires_grad_(wanted[1])
-            y = self.forward(plan, x, weight, None)
-            inputs = [t for t, w in zip((x, weight), wanted, strict=True) if w]
-            grads = torch.autograd.grad(y, inputs, grad_y.to(y.dtype))
-        return [g.to(_accumulation_dtype(g.dtype)) for g in grads]
+    def forward(self, plan, x, weight, bias):
+        return F.linear(self._binned(plan, x), weight, bias).transpose(1, 2)
 
+    # The gradients are the formulation's own transposes: y = binned(x) @ W^T, so
+    # dW = grad_y^T @ binned(x), and dx scatters grad_y @ W back through the one-hot binning
+    # and the gather.
     def grad_input(self, plan, grad_y, weight):
-        x = weight.new_zeros(grad_y.shape[0], plan.cin, plan.nin)
-        return self._gradients(plan, grad_y, x, weight, (True, False))[0]
+        acc = _accumulation_dtype(grad_y.dtype)
+        tables = plan.on(grad_y.device)
+        grad_binned = torch.einsum("bon,oq->bnq", grad_y.to(acc), weight.to(acc))
+        grad_binned = grad_binned.reshape(grad_y.shape[0], plan.nout, plan.cin, plan.v)
+        one_hot = F.one_hot(tables.rf_index, plan.v).to(acc)  # [Nout, K, V]
+        grad_neighbours = torch.einsum("bncv,nkv->bckn", grad_binned, one_hot)
+        grad_padded = grad_y.new_zeros(grad_y.shape[0], plan.cin, plan.nin + 1, dtype=acc)
+        grad_padded.index_add_(2, tables.knn_indices.reshape(-1),
+                               grad_neighbours.reshape(grad_y.shape[0], plan.cin, -1))
+        return grad_padded[:, :, : plan.nin]
 
     def grad_weight(self, plan, grad_y, x):
-        weight = torch.zeros(plan.cout, plan.q, dtype=x.dtype, device=x.device)
-        return self._gradients(plan, grad_y, x, weight, (False, True))[0]
-
-    def backward_combined(self, plan, grad_y, x, weight):
-        grad_x, grad_w = self._gradients(plan, grad_y, x, weight, (True, True))
-        return grad_x, grad_w
+        acc = _accumulation_dtype(grad_y.dtype)
+        return torch.einsum("bon,bnq->oq", grad_y.to(acc), self._binned(plan, x.to(acc)))

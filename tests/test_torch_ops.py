@@ -1,0 +1,66 @@
+"""The custom ops: opcheck, and torch.compile(fullgraph=True) of KNNConv networks against eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import knnconv
+from conftest import CPU_BACKENDS, random_geometry, rel_err
+
+
+def small_network(backend: str, generator: torch.Generator) -> torch.nn.Module:
+    first = random_geometry(generator, nin=30, nout=12, k=5, v=9, padding=0.1)
+    second = random_geometry(generator, nin=12, nout=5, k=4, v=4)
+    return torch.nn.Sequential(
+        knnconv.KNNConv(3, 6, first.knn_indices, first.rf_index, nin=30, v=9, backend=backend),
+        torch.nn.ReLU(),
+        knnconv.KNNConv(6, 4, second.knn_indices, second.rf_index, nin=12, v=4, bias=False,
+                        backend=backend),
+    ).double()
+
+
+def gradients(model, x):
+    x = x.clone().requires_grad_()
+    model.zero_grad()
+    y = model(x)
+    (y * torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape).cos()).sum().backward()
+    return [y.detach(), x.grad, *(p.grad.clone() for p in model.parameters())]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_compiled_network_matches_eager_without_graph_breaks(backend, rng):
+    model = small_network(backend, rng)
+    x = torch.randn(5, 3, 30, generator=rng, dtype=torch.float64)
+    eager = gradients(model, x)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    for got, expected in zip(gradients(compiled, x), eager, strict=True):
+        assert rel_err(got, expected) < 1e-12
+    assert counter.frame_count == 1
+
+
+def test_dynamic_batch_recompiles_at_most_once(rng):
+    model = small_network("torch_compact", rng)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    for batch in (2, 3, 5, 8):
+        x = torch.randn(batch, 3, 30, generator=rng, dtype=torch.float64)
+        assert rel_err(compiled(x), model(x)) < 1e-12
+    assert counter.frame_count <= 2
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_opcheck(backend, rng):
+    geometry = random_geometry(rng, nin=20, nout=7, k=5, v=9, padding=0.2)
+    plan = geometry.plan(cin=3, cout=4)
+    x = torch.randn(2, 3, 20, generator=rng)
+    weight = torch.randn(4, plan.q, generator=rng)
+    bias = torch.randn(4, generator=rng)
+    forward_args = (x, weight, bias, plan.handle, backend, torch.float32, True)
+    torch.library.opcheck(torch.ops.knnconv.forward.default, forward_args)
+    y, saved = torch.ops.knnconv.forward(*forward_args)
+    torch.library.opcheck(torch.ops.knnconv.backward.default,
+                          (torch.randn_like(y), x, saved, weight, plan.handle, backend,
+                           torch.float32, True, True))
