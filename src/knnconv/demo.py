@@ -3,8 +3,9 @@
 Each 8x8 digit is upsampled to a 32x32 image and read by a foveated sensor (the first layout
 of ``foveated_stack(resolution=32)``, 846 points, dense at the centre); two KNN conv stages
 with max-pooling, a global average and a linear layer classify it. The run shows a progress
-bar, prints the loss and accuracies of every epoch, writes a PNG (the sensor's sampling pattern, one digit as the sensor sees it, and
-the loss and accuracy curves) and ends with the line ``test accuracy: 0.xxx``.
+bar, prints the loss and accuracies of every epoch, writes a PNG (the sensor's sampling
+pattern, one digit as the sensor sees it, and the loss and accuracy curves) and ends with the
+line ``test accuracy: 0.xxx``.
 
 On a GPU the training runs under float16 autocast, where backend "auto" picks the native
 kernels when they are installed. scikit-learn and matplotlib come with the ``demo`` extra,

@@ -44,9 +44,10 @@ class ReferenceOps(KNNConvOps):
         grad_binned = grad_binned.reshape(grad_y.shape[0], plan.nout, plan.cin, plan.v)
         one_hot = F.one_hot(tables.rf_index, plan.v).to(acc)  # [Nout, K, V]
         grad_neighbours = torch.einsum("bncv,nkv->bckn", grad_binned, one_hot)
-        grad_padded = grad_y.new_zeros(grad_y.shape[0], plan.cin, plan.nin + 1, dtype=acc)
+        batch = grad_y.shape[0]
+        grad_padded = grad_y.new_zeros(batch, plan.cin, plan.nin + 1, dtype=acc)
         grad_padded.index_add_(2, tables.knn_indices.reshape(-1),
-                               grad_neighbours.reshape(grad_y.shape[0], plan.cin, -1))
+                               grad_neighbours.reshape(batch, plan.cin, plan.k * plan.nout))
         return grad_padded[:, :, : plan.nin]
 
     def grad_weight(self, plan, grad_y, x):

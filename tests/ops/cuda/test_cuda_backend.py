@@ -249,3 +249,64 @@ def test_small_network_trains_under_amp_like_reference():
     assert sum(cuda_losses[-10:]) < 0.6 * sum(cuda_losses[:10])
     assert abs(sum(cuda_losses[-10:]) - sum(reference_losses[-10:])) < 0.1 * sum(
         reference_losses[-10:]) + 0.05
+
+
+def test_training_step_replays_as_a_cuda_graph():
+    generator = torch.Generator().manual_seed(11)
+    first = random_geometry(generator, nin=120, nout=40, k=9, padding=0.05)
+    second = random_geometry(generator, nin=40, nout=12, k=9)
+    images = torch.randn(4, 64, 3, 120, generator=generator).to(DEVICE)
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            knnconv.KNNConv(3, 16, first.knn_indices, first.rf_index, nin=120, v=9),
+            torch.nn.ReLU(),
+            knnconv.KNNConv(16, 8, second.knn_indices, second.rf_index, nin=40, v=9),
+        ).to(DEVICE)
+        return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(model, optimizer, x):
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        return loss
+
+    eager_model, eager_optimizer = build()
+    eager_losses = [step(eager_model, eager_optimizer, images[i % 4]).item() for i in range(8)]
+
+    model, optimizer = build()
+    static_x = images[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compiles, verifies and builds tables eagerly
+        warm = [step(model, optimizer, images[i]).item() for i in range(3)]
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step(model, optimizer, static_x)
+    losses = warm
+    for i in range(3, 8):
+        static_x.copy_(images[i % 4])
+        graph.replay()
+        losses.append(static_loss.item())
+    assert model[0].last_backend == "cuda"
+    for got, expected in zip(losses, eager_losses, strict=True):
+        assert abs(got - expected) <= 2e-2 * abs(expected) + 1e-4
+
+
+def test_compiled_network_on_the_gpu_matches_eager():
+    generator = torch.Generator().manual_seed(12)
+    geometry = random_geometry(generator, nin=60, nout=20, k=9, padding=0.1)
+    model = torch.nn.Sequential(
+        knnconv.KNNConv(8, 16, geometry.knn_indices, geometry.rf_index, nin=60, v=9),
+        torch.nn.GELU()).to(DEVICE, torch.float16)
+    x = torch.randn(33, 8, 60, generator=generator).to(DEVICE, torch.float16)
+    eager = model(x)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    result = compiled(x)
+    result.float().sum().backward()
+    assert rel_err(result, eager) < 1e-3
+    assert model[0].weight.grad is not None and torch.isfinite(model[0].weight.grad).all()

@@ -1,0 +1,118 @@
+"""Whole-network training steps: every KNN layer of a published fovi model, back to back.
+
+``python -m knnconv.bench_networks --geometry DIR`` builds each model's KNN convolutions from
+a geometry set (index.json + npz, see knnconv.bench), runs one training step through all of
+them (forward through every layer, then one backward through every layer, each layer on its
+own random input), eagerly and replayed as a CUDA graph, and puts the time against the sum of
+the layers' training floors (ceilings measured in the same run). Writes networks.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .bench import device_description, forward_floor_ms, measure_ceilings
+from .layers import KNNConv
+
+# The published recipes' batches as the KNN layers see them (images x fixations).
+NETWORKS = {"fovi-alexnet_a-0.5_res-64_rfmult-1": 512,
+            "fovi-resnet18_a-0.5_res-64_rfmult-2": 2048}
+TRAIN_FLOOR_PASSES = 3  # forward + grad_input + grad_weight
+
+
+def network_layers(directory: Path, model: str, device, dtype) -> list[KNNConv]:
+    """Every conv entry of ``model`` in index order (repeated geometries included)."""
+    index = json.loads((directory / "index.json").read_text())
+    layers = []
+    for entry in index["layers"]:
+        if entry["model"] != model or entry.get("kind") != "conv" or not entry.get("npz"):
+            continue
+        tables = np.load(directory / entry["npz"])
+        layers.append(KNNConv(entry["Cin"], entry["Cout"],
+                              torch.from_numpy(tables["knn_indices_pad_token"]).long(),
+                              torch.from_numpy(tables["rf_index"]).long(),
+                              nin=int(tables["nin"]), v=int(tables["v"]), backend="cuda",
+                              bias=False).to(device, dtype))
+    return layers
+
+
+def _median_ms(call, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def time_network(layers, batch: int, repeats: int) -> dict:
+    device = layers[0].weight.device
+    inputs = [torch.randn(batch, layer.in_channels, layer.plan.nin, device=device,
+                          dtype=layer.weight.dtype, requires_grad=layer.in_channels > 3)
+              for layer in layers]
+    grads = [torch.randn(batch, layer.out_channels, layer.plan.nout, device=device,
+                         dtype=layer.weight.dtype) for layer in layers]
+
+    def step():
+        outputs = [layer(x) for layer, x in zip(layers, inputs, strict=True)]
+        torch.autograd.backward(outputs, grads)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: kernels compiled and verified, tables built
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    eager_ms = _median_ms(step, repeats)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    graph_ms = _median_ms(graph.replay, repeats)
+    return {"eager_ms": eager_ms, "graph_ms": graph_ms}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m knnconv.bench_networks",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--geometry", type=Path, required=True, metavar="DIR")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"), metavar="DIR")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    ceilings = measure_ceilings(device)
+    rows = []
+    for model, batch in NETWORKS.items():
+        layers = network_layers(args.geometry, model, device, torch.float16)
+        floor = sum(TRAIN_FLOOR_PASSES * forward_floor_ms(layer.plan, batch, ceilings)
+                    for layer in layers)
+        times = time_network(layers, batch, args.repeats)
+        row = {"model": model, "batch": batch, "layers": len(layers), "dtype": "float16",
+               "backend": "cuda", "floor_sum_ms": floor, **times,
+               "eager_over_floor": times["eager_ms"] / floor,
+               "graph_over_floor": times["graph_ms"] / floor}
+        rows.append(row)
+        print(f"{model} B={batch} ({len(layers)} KNN layers): eager {times['eager_ms']:.3f} ms, "
+              f"graph replay {times['graph_ms']:.3f} ms, sum of floors {floor:.3f} ms "
+              f"(graph {row['graph_over_floor']:.2f}x the floor)")
+        del layers
+        torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "networks.json"
+    path.write_text(json.dumps({"device": device_description(device), "ceilings": ceilings,
+                                "rows": rows}, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
