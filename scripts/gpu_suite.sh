@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole GPU job in one command: install, GPU tests, compute-sanitizer, fuzzing, the
-# per-layer and whole-network benchmarks and the demo.
+# The whole GPU job in one command: install, GPU tests, the per-layer and whole-network
+# benchmarks, compute-sanitizer, the demo and fuzzing (results first, so a run cut short
+# still brings them back).
 #   bash scripts/gpu_suite.sh OUTDIR GEOMETRY_DIR
 # Results (h200*.json/csv/png, networks.json, demo.png) land in OUTDIR, every stage's log in
 # OUTDIR/logs.tar.gz; each stage's exit status and time are summarised in OUTDIR/summary.txt.
@@ -11,26 +12,28 @@ mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1
 summary=()
 stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log, remember the status
-  local name=$1 limit=$2; shift 2
+  local name=$1 limit=$2
+  shift 2
   local start=$SECONDS
   timeout "$limit" "$@" >"$out/logs/$name.log" 2>&1
   local status=$?
   summary+=("$(printf '%-10s exit %-3s %4ss' "$name" "$status" $((SECONDS - start)))")
+  printf '%s\n' "${summary[@]}" >"$out/summary.txt"
   tail -n 3 "$out/logs/$name.log"
 }
 sanitize() { compute-sanitizer --tool "$1" --error-exitcode 9 python3 scripts/sanitize_kernels.py; }
 stage install 120 python3 -m pip install --no-deps --no-build-isolation -e .
 nvidia-smi >"$out/logs/nvidia-smi.txt" 2>&1
 stage tests 150 python3 -m pytest tests -m gpu -q -p no:cacheprovider
-stage memcheck 60 sanitize memcheck
-stage racecheck 60 sanitize racecheck
-stage fuzz 120 python3 scripts/fuzz_gpu.py --cases 2000 --seed 1 --out "$out/logs/fuzz.json"
-stage bench 200 python3 -m knnconv.bench --geometry "$geometry" --out "$out" --dtypes float16 \
+stage bench 150 python3 -m knnconv.bench --geometry "$geometry" --out "$out" --dtypes float16 \
   --check --repeats 10 --warmup 2
-stage bench_bf16 90 python3 -m knnconv.bench --geometry "$geometry" --out "$out" \
+stage networks 60 python3 -m knnconv.bench_networks --geometry "$geometry" --out "$out"
+stage bench_bf16 60 python3 -m knnconv.bench --geometry "$geometry" --out "$out" \
   --dtypes bfloat16 --backends cuda --name h200_bf16 --repeats 10 --warmup 2
-stage networks 90 python3 -m knnconv.bench_networks --geometry "$geometry" --out "$out"
-stage demo 90 python3 -m knnconv demo --out "$out/demo.png"
-printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
 rm -f "$out/h200_bf16.csv" "$out/h200_bf16.png"
+stage memcheck 40 sanitize memcheck
+stage racecheck 50 sanitize racecheck
+stage demo 60 python3 -m knnconv demo --out "$out/demo.png"
+stage fuzz 90 python3 scripts/fuzz_gpu.py --cases 2000 --seed 1 --out "$out/logs/fuzz.json"
+cat "$out/summary.txt"
 tar -czf "$out/logs.tar.gz" -C "$out" logs && rm -r "$out/logs"
