@@ -21,7 +21,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log, remember
   printf '%s\n' "${summary[@]}" >"$out/summary.txt"
   tail -n 3 "$out/logs/$name.log"
 }
-sanitize() { compute-sanitizer --tool "$1" --error-exitcode 9 python3 scripts/sanitize_kernels.py; }
+
 stage install 120 python3 -m pip install --no-deps --no-build-isolation -e .
 nvidia-smi >"$out/logs/nvidia-smi.txt" 2>&1
 stage tests 150 python3 -m pytest tests -m gpu -q -p no:cacheprovider
@@ -31,8 +31,9 @@ stage networks 60 python3 -m knnconv.bench_networks --geometry "$geometry" --out
 stage bench_bf16 60 python3 -m knnconv.bench --geometry "$geometry" --out "$out" \
   --dtypes bfloat16 --backends cuda --name h200_bf16 --repeats 10 --warmup 2
 rm -f "$out/h200_bf16.csv" "$out/h200_bf16.png"
-stage memcheck 40 sanitize memcheck
-stage racecheck 50 sanitize racecheck
+stage memcheck 40 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_kernels.py
+stage racecheck 50 compute-sanitizer --tool racecheck --error-exitcode 9 \
+  python3 scripts/sanitize_kernels.py
 stage demo 60 python3 -m knnconv demo --out "$out/demo.png"
 stage fuzz 90 python3 scripts/fuzz_gpu.py --cases 2000 --seed 1 --out "$out/logs/fuzz.json"
 cat "$out/summary.txt"
