@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-from knnconv.bench import load_geometry_dir
+from knnconv.bench import load_geometry_dir, time_calls
 from knnconv.ops import cuda as knn_cuda
 from knnconv.ops.cuda import launch
 from knnconv.ops.cuda.configs import KernelConfig, check_config
@@ -35,20 +34,6 @@ def candidates(family: str, p64: int):
                                p64=p64)
         except ValueError:
             continue
-
-
-def time_ms(call, repeats: int = 15) -> float:
-    call()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def tune_cell(layer, batch: int) -> list[dict]:
@@ -79,7 +64,7 @@ def tune_cell(layer, batch: int) -> list[dict]:
                         input_algorithm="scatter" if family == "grad_input_scatter" else None,
                         **({"input_config": cfg} if need_input else {"weight_config": cfg}))
             try:
-                ms = time_ms(call)
+                ms = time_calls(call, torch.device("cuda"), warmup=1, repeats=15)[0]
             except Exception as exc:  # a config the device cannot launch: record and go on
                 print(f"{family} {tuple(cfg)} failed: {exc}")
                 continue

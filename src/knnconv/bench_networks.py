@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .bench import device_description, forward_floor_ms, measure_ceilings
+from .bench import device_description, forward_floor_ms, measure_ceilings, time_calls
 from .layers import KNNConv
 
 # The published recipes' batches as the KNN layers see them (images x fixations).
@@ -42,18 +41,6 @@ def network_layers(directory: Path, model: str, device, dtype) -> list[KNNConv]:
     return layers
 
 
-def _median_ms(call, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def time_network(layers, batch: int, repeats: int) -> dict:
     device = layers[0].weight.device
     inputs = [torch.randn(batch, layer.in_channels, layer.plan.nin, device=device,
@@ -72,12 +59,12 @@ def time_network(layers, batch: int, repeats: int) -> dict:
         for _ in range(3):
             step()
     torch.cuda.current_stream().wait_stream(side)
-    eager_ms = _median_ms(step, repeats)
+    eager_ms = time_calls(step, device, warmup=1, repeats=repeats)[0]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
     graph.replay()
-    graph_ms = _median_ms(graph.replay, repeats)
+    graph_ms = time_calls(graph.replay, device, warmup=1, repeats=repeats)[0]
     return {"eager_ms": eager_ms, "graph_ms": graph_ms}
 
 

@@ -46,22 +46,29 @@ def _check_positive(name: str, value: Any) -> int:
     return int(value)
 
 
-def _check_tables(knn_indices: torch.Tensor, rf_index: torch.Tensor, nin: int, v: int) -> None:
+def check_knn_indices(knn_indices: torch.Tensor, nin: int) -> None:
+    """ValueError naming knn_indices unless it is [K, Nout] with K, Nout >= 1 and entries in
+    [0, nin]."""
     if knn_indices.dim() != 2:
         raise ValueError(f"knn_indices must be 2-D [K, Nout], got shape {tuple(knn_indices.shape)}")
     k, nout = knn_indices.shape
     if k < 1 or nout < 1:
         raise ValueError(f"knn_indices must have K >= 1 and Nout >= 1, got shape {(k, nout)}")
-    if tuple(rf_index.shape) != (nout, k):
-        raise ValueError(
-            f"rf_index must have shape [Nout, K] = [{nout}, {k}] to match knn_indices, "
-            f"got {tuple(rf_index.shape)}"
-        )
     kmin, kmax = int(knn_indices.min()), int(knn_indices.max())
     if kmin < 0 or kmax > nin:
         raise ValueError(
             f"knn_indices entries must lie in [0, nin] = [0, {nin}] (nin marks padding), "
             f"got range [{kmin}, {kmax}]"
+        )
+
+
+def _check_tables(knn_indices: torch.Tensor, rf_index: torch.Tensor, nin: int, v: int) -> None:
+    check_knn_indices(knn_indices, nin)
+    k, nout = knn_indices.shape
+    if tuple(rf_index.shape) != (nout, k):
+        raise ValueError(
+            f"rf_index must have shape [Nout, K] = [{nout}, {k}] to match knn_indices, "
+            f"got {tuple(rf_index.shape)}"
         )
     rmin, rmax = int(rf_index.min()), int(rf_index.max())
     if rmin < 0 or rmax >= v:

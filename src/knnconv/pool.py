@@ -13,7 +13,7 @@ from torch import nn
 
 from .geometry import knn_geometry
 from .neighbours import check_features, gather_neighbours
-from .plan import _as_index_tensor, _check_positive
+from .plan import _as_index_tensor, _check_positive, check_knn_indices
 
 POOL_MODES = ("max", "avg", "sum")
 
@@ -25,25 +25,15 @@ def knn_pool(x: torch.Tensor, knn_indices, nin: int, mode: str = "max") -> torch
     flow like ``torch.amax`` (shared equally between tied maxima) in ``max`` mode.
     """
     nin = _check_positive("nin", nin)
-    knn_indices = check_knn_indices(knn_indices, nin)
+    knn_indices = checked_knn_indices(knn_indices, nin)
     check_features(x, nin)
     return pool_neighbours(x, knn_indices.to(x.device), nin, check_mode(mode))
 
 
-def check_knn_indices(knn_indices, nin: int) -> torch.Tensor:
+def checked_knn_indices(knn_indices, nin: int) -> torch.Tensor:
     """knn_indices as int64 [K, Nout]; TypeError/ValueError naming it unless it is a valid table."""
     knn_indices = _as_index_tensor("knn_indices", knn_indices)
-    if knn_indices.dim() != 2 or 0 in knn_indices.shape:
-        raise ValueError(
-            f"knn_indices must be 2-D [K, Nout] with K, Nout >= 1, got shape "
-            f"{tuple(knn_indices.shape)}"
-        )
-    low, high = int(knn_indices.min()), int(knn_indices.max())
-    if low < 0 or high > nin:
-        raise ValueError(
-            f"knn_indices entries must lie in [0, nin] = [0, {nin}] (nin marks padding), "
-            f"got range [{low}, {high}]"
-        )
+    check_knn_indices(knn_indices, nin)
     return knn_indices.to(torch.int64)
 
 
@@ -82,7 +72,7 @@ class KNNPool(nn.Module):
         super().__init__()
         self.nin = _check_positive("nin", nin)
         self.mode = check_mode(mode)
-        self.register_buffer("knn_indices", check_knn_indices(knn_indices, self.nin),
+        self.register_buffer("knn_indices", checked_knn_indices(knn_indices, self.nin),
                              persistent=False)
 
     @classmethod
