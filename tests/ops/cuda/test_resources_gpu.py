@@ -1,0 +1,91 @@
+"""Long-running resource checks of the cuda backend (marker: gpu): memory and caches stay
+flat over many steps with varying batch sizes, nothing stale is reused, and threads that
+first-use a kernel together compile it once."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import knnconv
+from conftest import random_geometry, rel_err
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+pytest.importorskip("cupy")
+
+from knnconv.ops.cuda import build  # noqa: E402
+
+DEVICE = torch.device("cuda")
+BATCHES = (1, 17, 33, 64, 129)
+
+
+def two_layers_on_one_input(generator):
+    geometry = random_geometry(generator, nin=80, nout=30, k=9, padding=0.05)
+    return [knnconv.KNNConv(8, cout, geometry.knn_indices, geometry.rf_index, nin=80, v=9,
+                            backend="cuda").to(DEVICE, torch.float16) for cout in (16, 24)]
+
+
+def test_ten_thousand_steps_do_not_grow_memory_or_caches():
+    layers = two_layers_on_one_input(torch.Generator().manual_seed(21))
+    optimizer = torch.optim.SGD([p for layer in layers for p in layer.parameters()], lr=1e-4)
+
+    def step(batch):
+        x = torch.randn(batch, 8, 80, device=DEVICE, dtype=torch.float16, requires_grad=True)
+        loss = sum(layer(x).float().square().mean() for layer in layers)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for i in range(200):
+        step(BATCHES[i % len(BATCHES)])
+    torch.cuda.synchronize()
+    memory, kernels = torch.cuda.memory_allocated(), build.compiled_kernel_count()
+    launches = [len(layer.plan.on(DEVICE).derived["cuda.launches"]._plans) for layer in layers]
+    for i in range(10_000):
+        step(BATCHES[i % len(BATCHES)])
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= memory + 2**20
+    assert build.compiled_kernel_count() == kernels
+    assert [len(layer.plan.on(DEVICE).derived["cuda.launches"]._plans)
+            for layer in layers] == launches
+
+
+def test_freed_input_memory_reused_by_another_tensor_gives_its_own_result():
+    layer = two_layers_on_one_input(torch.Generator().manual_seed(22))[0]
+    reference = knnconv.get_ops("reference")
+    for seed in range(3):  # the caching allocator hands the same block back each time
+        x = torch.randn(33, 8, 80, device=DEVICE, generator=torch.Generator(DEVICE)
+                        .manual_seed(seed)).half()
+        expected = reference.forward(layer.plan, x.double(), layer.weight.double(),
+                                     layer.bias.double())
+        assert rel_err(layer(x), expected) < 2e-3
+        del x
+
+
+def test_threads_first_using_a_kernel_compile_it_once():
+    layer = two_layers_on_one_input(torch.Generator().manual_seed(23))[1]
+    knnconv.ops.cuda.clear_kernel_cache()
+    x = torch.randn(250, 8, 80, device=DEVICE, dtype=torch.float16)  # a batch not used before
+    expected = knnconv.get_ops("reference").forward(layer.plan, x.double(),
+                                                    layer.weight.double(), layer.bias.double())
+    results, barrier = [None, None], threading.Barrier(2)
+
+    def run(slot):
+        barrier.wait()
+        with torch.no_grad():
+            results[slot] = layer(x)
+        torch.cuda.synchronize()
+
+    threads = [threading.Thread(target=run, args=(slot,)) for slot in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert build.compiled_kernel_count() == 2  # the x re-layout and the forward GEMM
+    for result in results:
+        assert rel_err(result, expected) < 2e-3
