@@ -618,6 +618,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"), metavar="DIR",
                         help="output folder (default bench/results)")
     parser.add_argument("--name", help="output file stem (default: from the GPU model, or 'cpu')")
+    parser.add_argument("--model", choices=["alexnet", "resnet18"],
+                        help="time a whole example network's training step (images/s) per "
+                             "backend instead of single layers (reference is skipped)")
+    parser.add_argument("--resolution", type=_positive_int, default=64,
+                        help="sensor resolution of the --model network")
+
+
+def _model_step_row(args, device: torch.device, backend: str, batch: int) -> dict[str, Any]:
+    from . import models
+
+    build = {"alexnet": models.foveated_alexnet, "resnet18": models.foveated_resnet18}[args.model]
+    torch.manual_seed(0)
+    model = build(10, resolution=args.resolution, backend=backend).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(batch, 3, len(model.sensor_coords), device=device)
+    labels = torch.randint(0, 10, (batch,), device=device)
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.float16, enabled=device.type == "cuda"):
+            loss = torch.nn.functional.cross_entropy(model(x), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    note = None
+    try:
+        median_ms, status = time_calls(step, device, warmup=args.warmup,
+                                       repeats=args.repeats)[0], "ok"
+    except torch.cuda.OutOfMemoryError:
+        median_ms, status = None, "oom"
+    except ValueError as exc:  # a named backend that cannot serve this device or dtype
+        median_ms, status, note = None, "unsupported", str(exc)
+    ran = sorted({str(m.last_backend) for m in model.modules() if hasattr(m, "last_backend")})
+    return {"model": args.model, "resolution": args.resolution, "batch": batch,
+            "backend": backend, "backend_ran": ",".join(ran), "status": status,
+            "median_ms": median_ms, "note": note,
+            "images_per_s": None if median_ms is None else batch / median_ms * 1e3}
+
+
+def model_step_rows(args, device: torch.device, backends: list[str]) -> list[dict[str, Any]]:
+    """Images per second of a whole example network's training step (forward, backward, SGD
+    step; fp16 autocast on CUDA) per backend and batch."""
+    rows = []
+    for backend in backends:
+        for batch in args.batches:
+            row = _model_step_row(args, device, backend, batch)
+            release_memory(device)
+            rows.append(row)
+            timing = (row["note"] or "-" if row["median_ms"] is None else
+                      f"{row['median_ms']:.3f} ms, {row['images_per_s']:.0f} images/s")
+            print(f"{args.model} B={batch} {backend:13} {row['status']}: {timing}")
+    return rows
 
 
 def run(args: argparse.Namespace) -> int:
@@ -630,6 +682,14 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown backend(s) {unknown}; choose 'auto' or from {known}", file=sys.stderr)
         return 2
+    if args.model is not None:
+        rows = model_step_rows(args, device, [b for b in backends if b != "reference"])
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"{args.name or default_name(device)}_{args.model}.json"
+        path.write_text(json.dumps({"device": device_description(device),
+                                    "torch": torch.__version__, "rows": rows}, indent=1))
+        print(f"wrote {path}")
+        return 0
     if args.geometry is not None:
         layers = load_geometry_dir(args.geometry, args.layers)
     else:
