@@ -251,6 +251,7 @@ def test_missing_cupy_says_how_to_install(plan, monkeypatch, gpu_without_device_
 
 def test_old_gpu_is_refused_with_its_capability(plan, monkeypatch, gpu_without_device_queries):
     monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+    monkeypatch.setattr(knn_cuda, "nvrtc_mismatch", lambda cupy: None)
     monkeypatch.setattr(knn_cuda, "cuda_include_dir", lambda: "/usr/local/cuda/include")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (7, 5))
 

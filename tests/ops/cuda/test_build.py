@@ -64,3 +64,19 @@ def test_default_instantiations_compile_without_spills(arch, tmp_path):
     assert not spilling, f"{arch}: kernels with stack frame or spills: {spilling}"
     assert max(registers) <= 255
     print(f"{arch}: {len(names)} kernels, registers {min(registers)}-{max(registers)}, no spills")
+
+
+@pytest.mark.parametrize("nvrtc,driver,refused", [((13, 0), 13000, False), ((12, 8), 13000, False),
+                                                  ((13, 1), 13000, True)])
+def test_nvrtc_newer_than_the_driver_is_refused(nvrtc, driver, refused):
+    from types import SimpleNamespace
+
+    from knnconv.ops.cuda.build import nvrtc_mismatch
+
+    fake_cupy = SimpleNamespace(cuda=SimpleNamespace(
+        nvrtc=SimpleNamespace(getVersion=lambda: nvrtc),
+        runtime=SimpleNamespace(driverGetVersion=lambda: driver)))
+    reason = nvrtc_mismatch(fake_cupy)
+    assert (reason is not None) == refused
+    if refused:
+        assert "13.1" in reason and "13.0" in reason

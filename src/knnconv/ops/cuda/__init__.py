@@ -17,7 +17,13 @@ import torch
 from ...plan import KNNConvPlan
 from ..registry import KNNConvOps
 from ..torch_compact import TorchCompactOps
-from .build import MIN_COMPUTE_CAPABILITY, clear_modules, cuda_include_dir, import_cupy
+from .build import (
+    MIN_COMPUTE_CAPABILITY,
+    clear_modules,
+    cuda_include_dir,
+    import_cupy,
+    nvrtc_mismatch,
+)
 from .configs import (
     KernelConfig,
     default_config,
@@ -101,7 +107,7 @@ class CudaOps(KNNConvOps):
         if index not in self._device_reasons:
             reason = None
             try:
-                import_cupy()
+                reason = nvrtc_mismatch(import_cupy())
                 cuda_include_dir()
             except (ImportError, RuntimeError) as exc:
                 reason = str(exc)
