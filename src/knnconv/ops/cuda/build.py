@@ -45,8 +45,11 @@ def import_cupy():
 def nvrtc_mismatch(cupy) -> str | None:
     """Why CuPy's NVRTC cannot build for this driver (None when it can): code from an NVRTC
     newer than the driver's CUDA version does not load."""
-    nvrtc_major, nvrtc_minor = cupy.cuda.nvrtc.getVersion()
-    driver = cupy.cuda.runtime.driverGetVersion()  # e.g. 13000 for CUDA 13.0
+    try:
+        nvrtc_major, nvrtc_minor = cupy.cuda.nvrtc.getVersion()
+        driver = cupy.cuda.runtime.driverGetVersion()  # e.g. 13000 for CUDA 13.0
+    except (AttributeError, RuntimeError):  # a CuPy without these queries: nothing to compare
+        return None
     if (nvrtc_major, nvrtc_minor) > (driver // 1000, driver % 1000 // 10):
         return (f"CuPy's NVRTC is CUDA {nvrtc_major}.{nvrtc_minor} but the driver supports CUDA "
                 f"{driver // 1000}.{driver % 1000 // 10}: install the cupy-cudaXXx wheel that "
