@@ -74,16 +74,18 @@ class _RecentLaunches:
 
     def __init__(self) -> None:
         self._plans: OrderedDict[tuple, object] = OrderedDict()
+        self._lock = threading.Lock()
 
     def get(self, key: tuple, build):
-        launch = self._plans.get(key)
-        if launch is None:
-            launch = self._plans[key] = build()
-            while len(self._plans) > self.LIMIT:
-                self._plans.popitem(last=False)
-        else:
-            self._plans.move_to_end(key)
-        return launch
+        with self._lock:
+            launch = self._plans.get(key)
+            if launch is None:
+                launch = self._plans[key] = build()
+                while len(self._plans) > self.LIMIT:
+                    self._plans.popitem(last=False)
+            else:
+                self._plans.move_to_end(key)
+            return launch
 
 
 class CudaOps(KNNConvOps):
