@@ -34,6 +34,10 @@ rm -f "$out/h200_bf16.csv" "$out/h200_bf16.png"
 stage memcheck 40 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_kernels.py
 stage racecheck 50 compute-sanitizer --tool racecheck --error-exitcode 9 \
   python3 scripts/sanitize_kernels.py
+stage initcheck 40 compute-sanitizer --tool initcheck --error-exitcode 9 \
+  python3 scripts/sanitize_kernels.py
+stage synccheck 40 compute-sanitizer --tool synccheck --error-exitcode 9 \
+  python3 scripts/sanitize_kernels.py
 stage demo 60 python3 -m knnconv demo --out "$out/demo.png"
 stage fuzz 90 python3 scripts/fuzz_gpu.py --cases 2000 --seed 1 --out "$out/logs/fuzz.json"
 cat "$out/summary.txt"
