@@ -48,11 +48,11 @@ def _saved_shape(plan: KNNConvPlan, backend: str, batch, dtype: torch.dtype, kee
     if not keep or backend != "cuda":
         return (0,)
     from .ops.cuda.configs import default_config
-    from .ops.cuda.launch import _default_backward_tiles, padded_batch
+    from .ops.cuda.launch import forward_batch_padding
 
     cfg = default_config(batch, plan.cout, plan.p64, dtype, plan.nout)
-    tiles = _default_backward_tiles(batch, plan.cin, plan.cout, plan.p64)
-    return (plan.cin * plan.nin + 1, padded_batch(batch, ("forward", cfg), *tiles))
+    return (plan.cin * plan.nin + 1,
+            forward_batch_padding(batch, cfg, plan.cin, plan.cout, plan.p64))
 
 
 @forward_op.register_fake

@@ -234,6 +234,12 @@ def _default_backward_tiles(batch: int, cin: int, cout: int, p64: int):
     return grad_input_tiles, ("grad_weight", default_grad_weight_config(batch, cout, p64))
 
 
+def forward_batch_padding(batch: int, cfg: KernelConfig, cin: int, cout: int, p64: int) -> int:
+    """The padded batch of a forward's xt: its own tile and the default backward's, so the
+    backward can reuse xt."""
+    return padded_batch(batch, ("forward", cfg), *_default_backward_tiles(batch, cin, cout, p64))
+
+
 class ForwardLaunch:
     """The forward of one (layer sizes, batch, dtype, device): x re-layout + gathered GEMM.
 
@@ -246,8 +252,7 @@ class ForwardLaunch:
         self.cfg = cfg = check_config(
             "forward", config or default_config(batch, cout, p64, dtype, nout), p64=p64,
             max_shared_bytes=_shared_memory_limit(device.index))
-        bpad = padded_batch(batch, ("forward", cfg),
-                            *_default_backward_tiles(batch, cin, cout, p64))
+        bpad = forward_batch_padding(batch, cfg, cin, cout, p64)
         self.batch, self.bpad, self.cpad = batch, bpad, _round_up(cout, cfg.bn)
         self.cout, self.nout, self.p64, self.dtype = cout, nout, p64, dtype
         self.input_layout = _InputLayout(batch, cin, nin, bpad, input_dtype or dtype, dtype,
