@@ -31,11 +31,12 @@ from functools import cache
 from pathlib import Path
 from typing import NamedTuple
 
+from ...plan import SLOT_ALIGN
+
 FAMILIES = ("forward", "grad_input", "grad_input_scatter", "grad_weight")
 ELEMENT_BYTES = 2
 CHUNK_ELEMENTS = 8
 SHARED_PAD = 8  # must match kPad in kernels/knn_common.cuh
-SLOT_ALIGN = 64
 
 
 class KernelConfig(NamedTuple):

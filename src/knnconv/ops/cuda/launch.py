@@ -20,6 +20,7 @@ from functools import cache
 import numpy as np
 import torch
 
+from ...plan import SLOT_ALIGN
 from .build import CompiledKernel, get_kernel, kernel_name, transpose_name
 from .configs import (
     KernelConfig,
@@ -394,8 +395,8 @@ def _check_tables(input_linear: torch.Tensor, weight_linear: torch.Tensor,
             raise ValueError(f"{name} must be a contiguous int32 [Nout, P64] tensor")
         if table.device != device:
             raise ValueError(f"{name} is on {table.device}, expected {device}")
-        if table.shape[1] % 64:
-            raise ValueError(f"{name}: P64 = {table.shape[1]} must be a multiple of 64")
+        if table.shape[1] % SLOT_ALIGN:
+            raise ValueError(f"{name}: P64 = {table.shape[1]} must be a multiple of {SLOT_ALIGN}")
     if input_linear.shape != weight_linear.shape:
         raise ValueError("input_linear and weight_linear must have the same shape")
 
