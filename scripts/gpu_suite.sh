@@ -24,7 +24,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log, remember
 
 stage install 120 python3 -m pip install --no-deps --no-build-isolation -e .
 nvidia-smi >"$out/logs/nvidia-smi.txt" 2>&1
-stage tests 150 python3 -m pytest tests -m gpu -q -p no:cacheprovider
+stage tests 300 python3 -m pytest tests -m gpu -q -p no:cacheprovider --durations=12
 stage bench 150 python3 -m knnconv.bench --geometry "$geometry" --out "$out" --dtypes float16 \
   --check --repeats 10 --warmup 2
 stage networks 60 python3 -m knnconv.bench_networks --geometry "$geometry" --out "$out"
@@ -39,6 +39,8 @@ stage initcheck 40 compute-sanitizer --tool initcheck --error-exitcode 9 \
 stage synccheck 40 compute-sanitizer --tool synccheck --error-exitcode 9 \
   python3 scripts/sanitize_kernels.py
 stage demo 60 python3 -m knnconv demo --out "$out/demo.png"
+stage profile 60 env KNNCONV_CPROFILE=1 python3 scripts/profile_cells.py "$geometry" \
+  rfmult-2:layer4.0.conv2:512 rfmult-2:conv1:2048
 stage fuzz 90 python3 scripts/fuzz_gpu.py --cases 2000 --seed 1 --out "$out/logs/fuzz.json"
 cat "$out/summary.txt"
 tar -czf "$out/logs.tar.gz" -C "$out" logs && rm -r "$out/logs"
