@@ -165,6 +165,10 @@ def test_non_finite_input_reaches_exactly_its_neighbours(rng, backend, bad_value
     non_finite = torch.isnan(y) if math.isnan(bad_value) else ~torch.isfinite(y)
     assert torch.equal(non_finite, expected.expand_as(y))
     assert torch.isfinite(y[~expected.expand_as(y)]).all()
+    # and the very values the defining sum gives: +-inf stays +-inf, never inf * 0 = NaN
+    oracle = oracle_knn_conv(x, weight, bias, geometry)
+    for kind in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(kind(y), kind(oracle))
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

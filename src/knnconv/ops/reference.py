@@ -1,8 +1,12 @@
-"""The oracle: fovi's original formulation (pad, gather, one-hot binning, linear).
+"""The oracle: fovi's formulation (pad, gather, bin per reference cell, linear).
 
 Slow and memory hungry by design; it is the definition every other backend is tested
 against. Its gradients are that formulation's transposes, written out (no autograd, so they
-also run inside the custom ops).
+also run inside the custom ops). The binning adds neighbours into their cells
+(scatter-add) and its transpose reads them back (gather), where fovi multiplies by a one-hot
+matrix: the same numbers for finite inputs, but an inf neighbour stays inf instead of
+turning every other cell into inf * 0 = NaN, so non-finite values propagate exactly as the
+defining sum says.
 """
 
 from __future__ import annotations
@@ -26,25 +30,26 @@ class ReferenceOps(KNNConvOps):
         """[B, Nout, Cin*V]: each node's neighbours summed per reference cell."""
         tables = plan.on(x.device)
         padded = F.pad(x, (0, 1))  # the padding neighbour Nin reads this zero column
-        neighbours = padded[:, :, tables.knn_indices]  # [B, Cin, K, Nout]
-        one_hot = F.one_hot(tables.rf_index, plan.v).to(x.dtype)  # [Nout, K, V]
-        binned = torch.einsum("bckn,nkv->bncv", neighbours, one_hot)
+        neighbours = padded[:, :, tables.knn_indices].permute(0, 3, 1, 2)  # [B, Nout, Cin, K]
+        cells = tables.rf_index[None, :, None, :].expand(neighbours.shape)
+        binned = neighbours.new_zeros(x.shape[0], plan.nout, plan.cin, plan.v)
+        binned.scatter_add_(3, cells, neighbours)
         return binned.reshape(x.shape[0], plan.nout, plan.q)
 
     def forward(self, plan, x, weight, bias):
         return F.linear(self._binned(plan, x), weight, bias).transpose(1, 2)
 
     # The gradients are the formulation's own transposes: y = binned(x) @ W^T, so
-    # dW = grad_y^T @ binned(x), and dx scatters grad_y @ W back through the one-hot binning
-    # and the gather.
+    # dW = grad_y^T @ binned(x), and dx reads grad_y @ W back out of the cells (gather) and
+    # scatters it through the neighbour table.
     def grad_input(self, plan, grad_y, weight):
         acc = _accumulation_dtype(grad_y.dtype)
         tables = plan.on(grad_y.device)
         grad_binned = torch.einsum("bon,oq->bnq", grad_y.to(acc), weight.to(acc))
-        grad_binned = grad_binned.reshape(grad_y.shape[0], plan.nout, plan.cin, plan.v)
-        one_hot = F.one_hot(tables.rf_index, plan.v).to(acc)  # [Nout, K, V]
-        grad_neighbours = torch.einsum("bncv,nkv->bckn", grad_binned, one_hot)
         batch = grad_y.shape[0]
+        grad_binned = grad_binned.reshape(batch, plan.nout, plan.cin, plan.v)
+        cells = tables.rf_index[None, :, None, :].expand(batch, plan.nout, plan.cin, plan.k)
+        grad_neighbours = grad_binned.gather(3, cells).permute(0, 2, 3, 1)  # [B, Cin, K, Nout]
         grad_padded = grad_y.new_zeros(batch, plan.cin, plan.nin + 1, dtype=acc)
         grad_padded.index_add_(2, tables.knn_indices.reshape(-1),
                                grad_neighbours.reshape(batch, plan.cin, plan.k * plan.nout))

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ...plan import SLOT_ALIGN
-from .build import CompiledKernel, get_kernel, kernel_name, transpose_name
+from .build import CompiledKernel, get_kernel, import_cupy, kernel_name, transpose_name
 from .configs import (
     KernelConfig,
     check_config,
@@ -62,10 +62,28 @@ def _launch(kernel: CompiledKernel, device_index: int, grid: tuple, block: tuple
     values[: len(args)] = args
     stream = torch._C._cuda_getCurrentRawStream(device_index)
     if torch.cuda.current_device() == device_index:
+        _bind_context(device_index)
         kernel.launch(grid, block, shared, stream, parameters)
     else:
         with torch.cuda.device(device_index):
+            _bind_context(device_index)
             kernel.launch(grid, block, shared, stream, parameters)
+
+
+def _bind_context(device_index: int) -> None:
+    """Make the device's primary context current on this thread, once per thread and device.
+
+    cuLaunchKernel needs a current context; PyTorch never sets one on a thread whose current
+    device it did not have to change (a new thread using device 0), so the first launch from
+    such a thread would fail with CUDA_ERROR_INVALID_CONTEXT. cudaSetDevice of the device
+    already current binds its primary context without changing anything else.
+    """
+    bound = getattr(_thread_state, "bound_devices", None)
+    if bound is None:
+        bound = _thread_state.bound_devices = set()
+    if device_index not in bound:
+        import_cupy().cuda.runtime.setDevice(device_index)
+        bound.add(device_index)
 
 
 def _pointer(tensor: torch.Tensor | None) -> int:
