@@ -41,6 +41,9 @@ stage synccheck 40 compute-sanitizer --tool synccheck --error-exitcode 9 \
 stage demo 60 python3 -m knnconv demo --out "$out/demo.png"
 stage profile 60 env KNNCONV_CPROFILE=1 python3 scripts/profile_cells.py "$geometry" \
   rfmult-2:layer4.0.conv2:512 rfmult-2:conv1:2048
+sections="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis"
+stage ncu 180 env KNNCONV_NCU=1 ncu $sections -k regex:knn_ -s 6 -c 4 python3 \
+  scripts/profile_cells.py "$geometry" rfmult-2:conv1:2048 rfmult-1:layers.1.conv:2048
 stage fuzz 90 python3 scripts/fuzz_gpu.py --cases 2000 --seed 1 --out "$out/logs/fuzz.json"
 cat "$out/summary.txt"
 tar -czf "$out/logs.tar.gz" -C "$out" logs && rm -r "$out/logs"

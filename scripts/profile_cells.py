@@ -4,6 +4,8 @@ and the host wall time per call, for a few geometry cells.
     python scripts/profile_cells.py GEOMETRY_DIR LAYER_SUBSTR:BATCH [...]
 
 With KNNCONV_CPROFILE=1 it also prints the host-side Python profile of the training step.
+With KNNCONV_NCU=1 it only runs a few training steps (a target for Nsight Compute, whose
+counters cannot share the GPU with torch.profiler).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def profile_cell(layer, batch: int, backend: str = "cuda") -> None:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    if os.environ.get("KNNCONV_NCU"):
+        return
     for name, call in (("forward", forward), ("train", step)):
         start = time.perf_counter()
         for _ in range(20):

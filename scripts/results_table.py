@@ -14,6 +14,13 @@ def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
+def graph_cells(row: dict | None) -> str:
+    """The CUDA-graph replay columns (absent from results measured without that mode)."""
+    if row is None:
+        return "- | -"
+    return f"{row['median_ms']:.3f} | {row['pct_of_floor']:.1f}"
+
+
 def main(path: str) -> None:
     result = json.loads(open(path).read())
     cells: dict[tuple[str, int], dict[str, dict]] = {}
@@ -28,8 +35,8 @@ def main(path: str) -> None:
           "calls as a user sees them (host overhead included); the anchor's are from "
           "shared/anchors.md (same method, same GPU model).\n")
     print("| layer | B | fwd ms | anchor fwd ms | fwd speedup | fwd % floor | train ms | "
-          "anchor train ms | train speedup | train % floor |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "anchor train ms | train speedup | train % floor | graph train ms | graph % floor |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     speedups = {"forward": [], "train": []}
     for (layer, batch), modes in cells.items():
         forward, train = modes["forward"], modes["train"]
@@ -41,11 +48,16 @@ def main(path: str) -> None:
               f"{forward['anchor_ms'] / forward['median_ms']:.2f}x | "
               f"{forward['pct_of_floor']:.1f} | {train['median_ms']:.3f} | "
               f"{train['anchor_ms']:.3f} | {train['anchor_ms'] / train['median_ms']:.2f}x | "
-              f"{train['pct_of_floor']:.1f} |")
+              f"{train['pct_of_floor']:.1f} | {graph_cells(modes.get('train_graph'))} |")
     for mode, values in speedups.items():
         slower = sum(v < 1 for v in values)
         print(f"\n{mode}: geometric-mean speedup over the anchor {geomean(values):.2f}x over "
               f"{len(values)} cells; {slower} cells slower than the anchor.")
+    graphs = [modes["train_graph"] for modes in cells.values() if "train_graph" in modes]
+    if graphs:
+        print(f"\ntrain as a CUDA graph replay: geometric mean "
+              f"{geomean([r['pct_of_floor'] for r in graphs]):.1f}% of the floor over "
+              f"{len(graphs)} cells (the GPU time of the step, without the host path).")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,10 @@ from .ops import available_backends, get_ops
 from .plan import KNNConvPlan, make_plan
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-MODES = ("forward", "train")
+MODES = ("forward", "train", "train_graph")
+# train_graph: the training step captured once as a CUDA graph and replayed, i.e. the GPU
+# time without the host path; CUDA devices and the cuda backend only.
+GRAPH_MODES = ("train_graph",)
 DEFAULT_BATCHES = (128, 512, 2048)
 # Present only in a source checkout (src/knnconv/bench.py -> <repo>/bench/anchors.json).
 REPO_ANCHORS = Path(__file__).resolve().parents[2] / "bench" / "anchors.json"
@@ -206,6 +209,25 @@ def time_calls(call: Callable[[], Any], device: torch.device, *, warmup: int, re
     return statistics.median(times), result
 
 
+def graph_replay_ms(step: Callable[[], Any], device: torch.device, *, warmup: int,
+                    repeats: int) -> tuple[float, Any]:
+    """Median ms of replaying ``step`` captured as a CUDA graph, and the result of an eager
+    warm-up call. The warm-up runs on a side stream (as torch.cuda.graphs asks) and leaves the
+    gradients allocated, so the captured step accumulates into them in place."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(max(2, warmup)):
+            result = step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    median_ms = time_calls(graph.replay, device, warmup=1, repeats=repeats)[0]
+    del graph
+    return median_ms, result
+
+
 def _copy_ms(device: torch.device) -> float:
     src = torch.randn(COPY_CEILING_BYTES // 2, dtype=torch.float16, device=device)
     dst = torch.empty_like(src)
@@ -326,6 +348,11 @@ class Benchmark:
                     self._run_group(layer.name, plan, batch, dtype_name)
                     release_memory(self.device)
 
+    def _modes(self, backend: str) -> list[str]:
+        """The requested modes that apply to ``backend`` (graph replays: cuda on a GPU)."""
+        graphs = self.device.type == "cuda" and backend == "cuda"
+        return [mode for mode in self.args.modes if graphs or mode not in GRAPH_MODES]
+
     def _run_group(self, name: str, plan: KNNConvPlan, batch: int, dtype_name: str) -> None:
         """All backends and modes of one (layer, batch, dtype), on one set of inputs."""
         dtype = DTYPES[dtype_name]
@@ -334,7 +361,7 @@ class Benchmark:
             inputs = random_inputs(plan, batch, dtype, self.device)
         except torch.cuda.OutOfMemoryError:
             for backend in self.backends:
-                for mode in self.args.modes:
+                for mode in self._modes(backend):
                     self._record(*cell, backend, mode, "oom", note="allocating the inputs")
             return
         reference, check_note = self._reference_output(plan, inputs)
@@ -342,10 +369,10 @@ class Benchmark:
             reason = unsupported_reason(backend, plan, self.device, dtype)
             if reason is not None:
                 self._report_skip(backend, reason)
-                for mode in self.args.modes:
+                for mode in self._modes(backend):
                     self._record(*cell, backend, mode, "unsupported", note=reason)
                 continue
-            for mode in self.args.modes:
+            for mode in self._modes(backend):
                 checked = reference if mode == "forward" else None
                 try:
                     median_ms, ran, rel_err = self._time_cell(plan, inputs, backend, mode,
@@ -384,15 +411,17 @@ class Benchmark:
         """(median ms, backend that ran, forward rel_err against ``reference`` or None)."""
         x, weight, bias = inputs.x, inputs.weight, inputs.bias
         timing = {"warmup": self.args.warmup, "repeats": self.args.repeats}
-        if mode == "train":
-            def train_step() -> str:
-                y, ran = knn_conv_with_backend(x, weight, bias, plan, backend)
-                y.backward(inputs.grad_y)
-                return ran
+        def train_step() -> str:
+            y, ran = knn_conv_with_backend(x, weight, bias, plan, backend)
+            y.backward(inputs.grad_y)
+            return ran
 
+        if mode == "train":
             median_ms, ran = time_calls(train_step, self.device, reset=inputs.clear_grads,
                                         **timing)
             return median_ms, ran, None
+        if mode == "train_graph":
+            return (*graph_replay_ms(train_step, self.device, **timing), None)
 
         def forward_step() -> str:
             with torch.no_grad():
@@ -415,7 +444,7 @@ class Benchmark:
                 backend_ran: str | None = None, rel_err: float | None = None,
                 note: str | None = None) -> None:
         floor_ms = forward_floor_ms(plan, batch, self.ceilings)
-        if floor_ms is not None and mode == "train":
+        if floor_ms is not None and mode != "forward":
             floor_ms *= TRAIN_FLOOR_FACTOR
         anchor_ms = self.anchors.get((name, batch, mode)) if dtype_name == ANCHOR_DTYPE else None
         measured = median_ms is not None
@@ -602,7 +631,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated backends, 'auto' allowed (default: every "
                              "available backend, each where it can serve)")
     parser.add_argument("--modes", type=_comma_list(str, MODES), default=list(MODES),
-                        help="comma-separated: forward, train (default both)")
+                        help="comma-separated: forward, train, train_graph (the training "
+                             "step replayed as a CUDA graph; cuda backend on a GPU only) "
+                             "(default all)")
     parser.add_argument("--warmup", type=_non_negative_int, default=3,
                         help="untimed calls per cell (default 3)")
     parser.add_argument("--repeats", type=_positive_int, default=20,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from .ops.registry import KNNConvOps, resolve_backend
@@ -69,7 +67,8 @@ def forward_impl(plan: KNNConvPlan, ops: KNNConvOps, x, weight, bias, dtype: tor
     """y in the compute dtype, and what the weight gradient needs of x (x in the compute dtype,
     or the backend's own re-layout of it, see KNNConvOps.forward_saving)."""
     xc, wc = x.to(dtype), weight.to(dtype)
-    bc = None if bias is None else bias.to(dtype)
+    keep_bias = bias is None or (ops.float32_bias and bias.dtype == torch.float32)
+    bc = bias if keep_bias else bias.to(dtype)
     if x.shape[0] == 0:  # an empty batch is legal; no backend needs to handle it
         return xc.new_empty(0, plan.nout, plan.cout).transpose(1, 2), xc
     if keep_for_backward:
@@ -81,26 +80,14 @@ def backward_impl(plan: KNNConvPlan, ops: KNNConvOps, grad_y, saved_x, weight, n
                   dtype: torch.dtype):
     """(grad_x, grad_weight, grad_bias), None where not needed, each in the dtype of the tensor
     it belongs to (``dtypes``), accumulated in at least float32."""
-    need_x, need_w, need_b = needs
-    x_dtype, w_dtype, b_dtype = dtypes
     grad_y = grad_y.to(dtype)
-    wc = weight.to(dtype) if need_x else None
-    grad_x = grad_w = grad_b = None
+    wc = weight.to(dtype) if needs[0] else None
     if grad_y.shape[0] == 0:
-        grad_x = grad_y.new_zeros(0, plan.cin, plan.nin)
-        grad_w = grad_y.new_zeros(plan.cout, plan.q)
-    elif need_x and need_w:
-        grad_x, grad_w = ops.backward_combined(plan, grad_y, saved_x, wc)
-    elif need_x:
-        grad_x = ops.grad_input(plan, grad_y, wc)
-    elif need_w:
-        grad_w = ops.grad_weight(plan, grad_y, saved_x)
-    if need_b:
-        acc = torch.float64 if grad_y.dtype == torch.float64 else torch.float32
-        grad_b = grad_y.sum(dim=(0, 2), dtype=acc).to(b_dtype)
-    grad_x = grad_x.to(x_dtype).contiguous() if need_x else None
-    grad_w = grad_w.to(w_dtype).contiguous() if need_w else None
-    return grad_x, grad_w, grad_b
+        grad_x = grad_y.new_zeros(0, plan.cin, plan.nin, dtype=dtypes[0]) if needs[0] else None
+        grad_w = grad_y.new_zeros(plan.cout, plan.q, dtype=dtypes[1]) if needs[1] else None
+        grad_b = grad_y.new_zeros(plan.cout, dtype=dtypes[2]) if needs[2] else None
+        return grad_x, grad_w, grad_b
+    return ops.gradients(plan, grad_y, saved_x, wc, needs, dtypes)
 
 
 class KNNConvFunction(torch.autograd.Function):
@@ -154,8 +141,9 @@ def knn_conv_with_backend(x, weight, bias, plan, backend="auto") -> tuple[torch.
         from .torch_ops import knn_conv_op
 
         return knn_conv_op(x, weight, bias, plan, ops.name, dtype), ops.name
-    autocast_off = (contextlib.nullcontext() if x.device.type == "meta"
-                    else torch.autocast(x.device.type, enabled=False))
-    with autocast_off:
+    device_type = x.device.type
+    if device_type == "meta" or not torch.is_autocast_enabled(device_type):
+        return KNNConvFunction.apply(x, weight, bias, plan, ops, dtype), ops.name
+    with torch.autocast(device_type, enabled=False):  # the backend must not recast inside
         y = KNNConvFunction.apply(x, weight, bias, plan, ops, dtype)
     return y, ops.name

@@ -18,6 +18,9 @@ class KNNConvOps:
     """Base class of a backend. Subclasses set ``name`` and implement the three primitives."""
 
     name: str = ""
+    # True when forward accepts a float32 bias whatever the compute dtype (and adds it in
+    # float32), sparing the autograd layer a cast under autocast.
+    float32_bias: bool = False
 
     def unsupported_reason(self, plan: KNNConvPlan, device: torch.device,
                            dtype: torch.dtype) -> str | None:
@@ -48,6 +51,29 @@ class KNNConvOps:
                           weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Both gradients; backends override this when they can share work between them."""
         return self.grad_input(plan, grad_y, weight), self.grad_weight(plan, grad_y, x)
+
+    def gradients(self, plan: KNNConvPlan, grad_y: torch.Tensor, x, weight: torch.Tensor | None,
+                  needs: tuple[bool, bool, bool], dtypes: tuple) -> tuple:
+        """(grad_x, grad_weight, grad_bias), None where ``needs`` says not needed, each in its
+        dtype from ``dtypes`` (x's, weight's, bias's), accumulated in at least float32.
+
+        grad_y and weight are in the compute dtype, x as forward_saving returned it. Backends
+        override this to fuse the conversions and the bias reduction into their own launches.
+        """
+        need_x, need_w, need_b = needs
+        grad_x = grad_w = grad_b = None
+        if need_x and need_w:
+            grad_x, grad_w = self.backward_combined(plan, grad_y, x, weight)
+        elif need_x:
+            grad_x = self.grad_input(plan, grad_y, weight)
+        elif need_w:
+            grad_w = self.grad_weight(plan, grad_y, x)
+        if need_b:
+            acc = torch.float64 if grad_y.dtype == torch.float64 else torch.float32
+            grad_b = grad_y.sum(dim=(0, 2), dtype=acc).to(dtypes[2])
+        grad_x = grad_x.to(dtypes[0]).contiguous() if need_x else None
+        grad_w = grad_w.to(dtypes[1]).contiguous() if need_w else None
+        return grad_x, grad_w, grad_b
 
     def __repr__(self) -> str:
         return f"<knnconv ops {self.name!r}>"

@@ -109,6 +109,7 @@ class CudaOps(KNNConvOps):
     """
 
     name = "cuda"
+    float32_bias = True
 
     def __init__(self) -> None:
         self._oracle = TorchCompactOps()
@@ -178,7 +179,7 @@ class CudaOps(KNNConvOps):
     def forward_saving(self, plan, x, weight, bias):
         device, batch = x.device, x.shape[0]
         launch = self._launch_plan(plan, device, ("forward", batch, x.dtype), lambda: ForwardLaunch(
-            batch=batch, cin=plan.cin, nin=plan.nin, cout=plan.cout, nout=plan.nout,
+            batch=batch, cin=plan.cin, nin=plan.nin, cout=plan.cout, nout=plan.nout, q=plan.q,
             p64=plan.p64, dtype=x.dtype, device=device))
         key = ("forward", x.dtype, launch.cfg, device)
         first = self._first_use(key)
@@ -192,36 +193,42 @@ class CudaOps(KNNConvOps):
     def forward(self, plan, x, weight, bias):
         return self.forward_saving(plan, x, weight, bias)[0]
 
-    def _backward(self, plan, grad_y, x, weight, need_input, need_weight):
+    def gradients(self, plan, grad_y, x, weight, needs, dtypes):
         device, batch = grad_y.device, grad_y.shape[0]
+        need_input, need_weight, need_bias = needs
+        grad_dtypes = tuple(torch.float32 if d is None else d for d in dtypes)
         launch = self._launch_plan(
-            plan, device, ("backward", batch, grad_y.dtype, need_input, need_weight),
+            plan, device, ("backward", batch, grad_y.dtype, needs, grad_dtypes),
             lambda: BackwardLaunch(batch=batch, cin=plan.cin, nin=plan.nin, cout=plan.cout,
                                    nout=plan.nout, q=plan.q, p64=plan.p64, dtype=grad_y.dtype,
                                    device=device, need_input=need_input,
-                                   need_weight=need_weight))
+                                   need_weight=need_weight, need_bias=need_bias,
+                                   grad_dtypes=grad_dtypes))
         keys = {role: (launch.configs[role][0], grad_y.dtype, launch.configs[role][1], device)
                 for role, needed in (("input", need_input), ("weight", need_weight)) if needed}
         first = {role for role, key in keys.items() if self._first_use(key)}
         tables = plan.on(device)
         reverse = self.reverse(plan, device) if launch.algorithm == "gather" else None
-        dx, dw = launch.run(grad_y, x, weight, tables.input_linear, tables.weight_linear,
-                            reverse)
+        grads = launch.run(grad_y, x, weight, tables.input_linear, tables.weight_linear, reverse)
         if "input" in first:
-            self._canary(keys["input"], dx, self._oracle.grad_input(plan, grad_y, weight))
+            self._canary(keys["input"], grads[0], self._oracle.grad_input(plan, grad_y, weight))
         if "weight" in first:
             original = x.original() if isinstance(x, TransposedInput) else x
-            self._canary(keys["weight"], dw, self._oracle.grad_weight(plan, grad_y, original))
-        return dx, dw
+            self._canary(keys["weight"], grads[1],
+                         self._oracle.grad_weight(plan, grad_y, original))
+        return grads
 
     def grad_input(self, plan, grad_y, weight):
-        return self._backward(plan, grad_y, None, weight, True, False)[0]
+        return self.gradients(plan, grad_y, None, weight, (True, False, False),
+                              (torch.float32,) * 3)[0]
 
     def grad_weight(self, plan, grad_y, x):
-        return self._backward(plan, grad_y, x, None, False, True)[1]
+        return self.gradients(plan, grad_y, x, None, (False, True, False),
+                              (torch.float32,) * 3)[1]
 
     def backward_combined(self, plan, grad_y, x, weight):
-        return self._backward(plan, grad_y, x, weight, True, True)
+        return self.gradients(plan, grad_y, x, weight, (True, True, False),
+                              (torch.float32,) * 3)[:2]
 
 
 def clear_kernel_cache() -> None:

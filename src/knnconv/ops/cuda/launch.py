@@ -70,6 +70,19 @@ def _launch(kernel: CompiledKernel, device_index: int, grid: tuple, block: tuple
             kernel.launch(grid, block, shared, stream, parameters)
 
 
+def _zero(pointer: int, nbytes: int, device_index: int) -> None:
+    """cudaMemsetAsync(0) on torch's current stream of the device (capturable in a graph)."""
+    stream = torch._C._cuda_getCurrentRawStream(device_index)
+    memset = import_cupy().cuda.runtime.memsetAsync
+    if torch.cuda.current_device() == device_index:
+        _bind_context(device_index)
+        memset(pointer, 0, nbytes, stream)
+    else:
+        with torch.cuda.device(device_index):
+            _bind_context(device_index)
+            memset(pointer, 0, nbytes, stream)
+
+
 def _bind_context(device_index: int) -> None:
     """Make the device's primary context current on this thread, once per thread and device.
 
@@ -118,17 +131,40 @@ class _Transpose:
         self.grid = (-(-dst_c // TRANSPOSE_TILE), -(-dst_a // TRANSPOSE_TILE), dst_z)
         self.static = (*src_extents, dst_a, dst_c, *dst_strides)
 
-    def __call__(self, src: torch.Tensor, dst: torch.Tensor, src_strides) -> torch.Tensor:
+    def __call__(self, src: torch.Tensor, dst: int, src_strides, z_sums: int = 0) -> None:
+        """dst and z_sums are device addresses (z_sums: float32 [z], 0 for none)."""
+        self.launch_raw(src.data_ptr(), dst, src_strides, z_sums)
+
+    def launch_raw(self, src: int, dst: int, src_strides, z_sums: int = 0) -> None:
         z, a, c, dst_a, dst_c, dst_sz, dst_sc = self.static
         _launch(self.kernel, self.device_index, self.grid, (TRANSPOSE_TILE, TRANSPOSE_ROWS, 1), 0,
-                (src.data_ptr(), dst.data_ptr(), z, a, c, *src_strides, dst_a, dst_c, dst_sz,
-                 dst_sc))
-        return dst
+                (src, dst, z, a, c, *src_strides, dst_a, dst_c, dst_sz, dst_sc, z_sums))
 
 
-def _transpose_once(src, dst, *, src_extents, src_strides, dst_extents, dst_strides):
-    return _Transpose(src.dtype, dst.dtype, src.device.index, src_extents, dst_extents,
-                      dst_strides)(src, dst, src_strides)
+def _weight_transposed(cout: int, q: int, cpad: int, src_dtype, dtype, device_index: int):
+    """W [Cout, Q] -> wt [Q, cpad]: output channels contiguous, zero columns past Cout."""
+    return _Transpose(src_dtype, dtype, device_index, (1, cout, q), (1, cpad, q), (0, cpad))
+
+
+def _weight_by_cell(cout: int, cin: int, v: int, gpad: int, cinpad: int, src_dtype, dtype,
+                    device_index: int):
+    """W [Cout, Cin*V] -> wr [V, gpad, cinpad], wr[v, o, c] = W[o, c*V + v], zero past Cout
+    and Cin. Source strides per call: (W.stride(0), V * W.stride(1), W.stride(1))."""
+    return _Transpose(src_dtype, dtype, device_index, (cout, cin, v), (gpad, cinpad, v),
+                      (cinpad, gpad * cinpad))
+
+
+class _Carve:
+    """Byte offsets of several buffers inside one allocation, each 256-byte aligned, so a
+    call allocates once instead of once per temporary."""
+
+    def __init__(self) -> None:
+        self.size = 0
+
+    def add(self, nbytes: int) -> int:
+        offset = self.size
+        self.size = _round_up(offset + nbytes, 256)
+        return offset
 
 
 class _Gemm:
@@ -166,13 +202,21 @@ class TransposedInput:
 
 
 class _InputLayout:
-    """x [B, Cin, Nin] -> TransposedInput with a given padded batch and dtype."""
+    """x [B, Cin, Nin] -> TransposedInput with a given padded batch and dtype.
+
+    ``spare_bytes``: extra room allocated behind xt (256-byte aligned) for a caller's
+    temporary, so the call allocates once; its address is ``spare_address(xt)``.
+    """
 
     def __init__(self, batch: int, cin: int, nin: int, bpad: int, src_dtype, dtype,
-                 device_index: int) -> None:
+                 device_index: int, spare_bytes: int = 0) -> None:
         rows = cin * nin
         self.shape, self.dtype = (rows + 1, bpad), dtype
         self.batch, self.cin, self.nin = batch, cin, nin
+        item = torch.empty((), dtype=dtype).element_size()
+        self.spare_offset = _round_up((rows + 1) * bpad * item, 256)
+        self.storage_rows = (-(-(self.spare_offset + spare_bytes) // (bpad * item))
+                             if spare_bytes else 0)
         self.transpose = _Transpose(src_dtype, dtype, device_index, (1, batch, rows),
                                     (1, bpad, rows + 1), (0, bpad))
 
@@ -183,34 +227,21 @@ class _InputLayout:
             x = x.original()
         if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
             x = x.contiguous()
-        xt = torch.empty(self.shape, dtype=self.dtype, device=x.device)
-        self.transpose(x, xt, (0, x.stride(0), 1))
+        if self.storage_rows:
+            xt = torch.empty((self.storage_rows, self.shape[1]), dtype=self.dtype,
+                             device=x.device)[: self.shape[0]]
+        else:
+            xt = torch.empty(self.shape, dtype=self.dtype, device=x.device)
+        self.transpose(x, xt.data_ptr(), (0, x.stride(0), 1))
         return TransposedInput(xt, self.batch, self.cin, self.nin)
+
+    def spare_address(self, xt: torch.Tensor) -> int:
+        return xt.data_ptr() + self.spare_offset
 
 
 def transposed_input(x: torch.Tensor, bpad: int, dtype: torch.dtype) -> TransposedInput:
     batch, cin, nin = x.shape
     return _InputLayout(batch, cin, nin, bpad, x.dtype, dtype, x.device.index)(x)
-
-
-def transposed_weight(weight: torch.Tensor, cpad: int, dtype: torch.dtype) -> torch.Tensor:
-    """wt [Cin*V, cpad]: output channels contiguous, zero columns past Cout."""
-    cout, q = weight.shape
-    wt = torch.empty(q, cpad, dtype=dtype, device=weight.device)
-    return _transpose_once(weight, wt, src_extents=(1, cout, q),
-                           src_strides=(0, weight.stride(0), weight.stride(1)),
-                           dst_extents=(1, cpad, q), dst_strides=(0, cpad))
-
-
-def weight_by_cell(weight: torch.Tensor, cin: int, gpad: int, cinpad: int,
-                   dtype: torch.dtype) -> torch.Tensor:
-    """wr [V, gpad, cinpad] with wr[v, o, c] = W[o, c*V + v], zero past Cout and Cin."""
-    cout, q = weight.shape
-    v = q // cin
-    wr = torch.empty(v, gpad, cinpad, dtype=dtype, device=weight.device)
-    return _transpose_once(weight, wr, src_extents=(cout, cin, v),
-                           src_strides=(weight.stride(0), v * weight.stride(1), weight.stride(1)),
-                           dst_extents=(gpad, cinpad, v), dst_strides=(cinpad, gpad * cinpad))
 
 
 @dataclass
@@ -260,13 +291,15 @@ def forward_batch_padding(batch: int, cfg: KernelConfig, cin: int, cout: int, p6
 
 
 class ForwardLaunch:
-    """The forward of one (layer sizes, batch, dtype, device): x re-layout + gathered GEMM.
+    """The forward of one (layer sizes, batch, dtype, device): x and W re-layouts + gathered
+    GEMM. wt lives in spare room allocated behind xt: one allocation besides y.
 
     The padded batch also fits the default backward tiles, so the backward reuses xt.
     """
 
-    def __init__(self, *, batch: int, cin: int, nin: int, cout: int, nout: int, p64: int,
-                 dtype: torch.dtype, device: torch.device, config: KernelConfig | None = None,
+    def __init__(self, *, batch: int, cin: int, nin: int, cout: int, nout: int, q: int,
+                 p64: int, dtype: torch.dtype, device: torch.device,
+                 config: KernelConfig | None = None,
                  input_dtype: torch.dtype | None = None) -> None:
         self.cfg = cfg = check_config(
             "forward", config or default_config(batch, cout, p64, dtype, nout), p64=p64,
@@ -274,22 +307,30 @@ class ForwardLaunch:
         bpad = forward_batch_padding(batch, cfg, cin, cout, p64)
         self.batch, self.bpad, self.cpad = batch, bpad, _round_up(cout, cfg.bn)
         self.cout, self.nout, self.p64, self.dtype = cout, nout, p64, dtype
+        self.weight_layout = _weight_transposed(cout, q, self.cpad, dtype, dtype, device.index)
+        wt_bytes = q * self.cpad * torch.empty((), dtype=dtype).element_size()
         self.input_layout = _InputLayout(batch, cin, nin, bpad, input_dtype or dtype, dtype,
-                                         device.index)
+                                         device.index, spare_bytes=wt_bytes)
         self.gemm = _Gemm("forward", cfg, dtype, device.index,
                           (nout, self.cpad // cfg.bn, bpad // cfg.tile_m))
 
     def run(self, x, weight, bias, input_linear, weight_linear, *, poison_output=False):
+        """bias: None, float32, or in the compute dtype (both added in fp32 by the kernel)."""
+        dtype = self.dtype
         saved = self.input_layout(x)
-        cpad, dtype = self.cpad, self.dtype
-        wt = transposed_weight(weight, cpad, dtype)
+        wt = self.input_layout.spare_address(saved.xt)
+        if weight.dtype != dtype:
+            weight = weight.to(dtype)
+        self.weight_layout(weight, wt, (0, weight.stride(0), weight.stride(1)))
         shape = (self.batch, self.nout, self.cout)
-        y = (torch.full(shape, math.nan, dtype=dtype, device=wt.device) if poison_output
-             else torch.empty(shape, dtype=dtype, device=wt.device))
-        bias32 = None if bias is None else bias.to(torch.float32)
-        self.gemm(saved.xt.data_ptr(), wt.data_ptr(), input_linear.data_ptr(),
-                  weight_linear.data_ptr(), 0, _pointer(bias32), y.data_ptr(), self.batch,
-                  self.bpad, self.cout, cpad, self.nout, self.p64, 0)
+        y = (torch.full(shape, math.nan, dtype=dtype, device=x.device) if poison_output
+             else torch.empty(shape, dtype=dtype, device=x.device))
+        if bias is not None and bias.dtype not in (dtype, torch.float32):
+            bias = bias.to(torch.float32)
+        self.gemm(saved.xt.data_ptr(), wt, input_linear.data_ptr(), weight_linear.data_ptr(), 0,
+                  _pointer(bias), int(bias is not None and bias.dtype == torch.float32),
+                  y.data_ptr(), self.batch, self.bpad, self.cout, self.cpad, self.nout, self.p64,
+                  0)
         return y.transpose(1, 2), saved
 
 
@@ -299,16 +340,18 @@ class BackwardLaunch:
     dx comes from the forward kernel run over the reversed graph (algorithm 'gather': no
     atomics, each element written once) or, for few input channels, from slot gradients
     scattered with fp32 atomics ('scatter'); dW from the slot-tiled kernel with fp32 atomics,
-    the batch split over gridDim.y (ksplit). Both accumulate in fp32 and are converted to
-    grad_dtypes = (dx dtype, dW dtype) by the transposes that restore their layouts.
+    the batch split over gridDim.y (ksplit); the bias gradient from grad_y's re-layout (fp32
+    atomics, one per transpose block). All accumulate in fp32 and are converted to
+    grad_dtypes = (dx, dW, dbias dtypes) by the launches that restore their layouts. Every
+    temporary lives in one workspace allocation whose accumulators are zeroed by one memset.
     """
 
     def __init__(self, *, batch: int, cin: int, nin: int, cout: int, nout: int, q: int,
                  p64: int, dtype: torch.dtype, device: torch.device, need_input: bool = True,
-                 need_weight: bool = True, algorithm: str | None = None,
+                 need_weight: bool = True, need_bias: bool = False, algorithm: str | None = None,
                  input_config: KernelConfig | None = None,
                  weight_config: KernelConfig | None = None, ksplit: int | None = None,
-                 grad_dtypes=(torch.float32, torch.float32)) -> None:
+                 grad_dtypes=(torch.float32, torch.float32, torch.float32)) -> None:
         index = device.index
         algorithm = algorithm or default_grad_input_algorithm(cin)
         if algorithm not in ("gather", "scatter"):
@@ -327,23 +370,39 @@ class BackwardLaunch:
         self.gpad = gpad = _round_up(cout, math.lcm(*(
             cfg.bn if family == "grad_weight" else cfg.bk for family, cfg in needed)))
         self.algorithm, self.need_input, self.need_weight = algorithm, need_input, need_weight
+        self.need_bias = need_bias
         self.configs = {"input": (input_family, gi), "weight": ("grad_weight", gw)}
         self.batch, self.cin, self.nin, self.cout, self.q, self.p64 = batch, cin, nin, cout, q, p64
-        self.dtype, self.grad_dtypes = dtype, grad_dtypes
+        self.dtype, self.grad_dtypes, self.device = dtype, grad_dtypes, device
+        item = torch.empty((), dtype=dtype).element_size()
+        rows = cin * nin
+        # Workspace: [gt | weight re-layout | dx staging (gather) | zeroed: dxt, dwt, dbias]
+        carve = _Carve()
+        self.gt_at = carve.add(nout * gpad * bpad * item)
         self.to_gt = _Transpose(dtype, dtype, index, (cout, batch, nout), (gpad, bpad, nout),
                                 (bpad, gpad * bpad))
-        rows = cin * nin
         if need_input and algorithm == "gather":
             self.cinpad = _round_up(cin, gi.bn)
+            self.weight_at = carve.add((q // cin) * gpad * self.cinpad * item)
+            self.weight_layout = _weight_by_cell(cout, cin, q // cin, gpad, self.cinpad, dtype,
+                                                 dtype, index)
             self.input_gemm = _Gemm(input_family, gi, dtype, index,
                                     (nin, self.cinpad // gi.bn, bpad // gi.tile_m))
+            self.dx_at = carve.add(batch * nin * cin * 4)
             self.restore_dx = _Transpose(torch.float32, grad_dtypes[0], index,
                                          (batch, nin, cin), (batch, nin, cin), (rows, nin))
+            self.restore_dx_strides = (nin * cin, cin, 1)
         elif need_input:
+            self.weight_at = carve.add(q * gpad * item)
+            self.weight_layout = _weight_transposed(cout, q, gpad, dtype, dtype, index)
             self.input_gemm = _Gemm(input_family, gi, dtype, index,
                                     (nout, p64 // gi.bn, bpad // gi.tile_m))
             self.restore_dx = _Transpose(torch.float32, grad_dtypes[0], index,
                                          (1, rows, batch), (1, rows, batch), (0, rows))
+            self.restore_dx_strides = (0, bpad, 1)
+        self.zero_from = carve.size
+        if need_input and algorithm == "scatter":
+            self.dx_at = carve.add(rows * bpad * 4)
         if need_weight:
             self.input_layout = _InputLayout(batch, cin, nin, bpad, dtype, dtype, index)
             p_tiles, k_tiles = p64 // gw.tile_m, bpad // gw.bk
@@ -355,44 +414,57 @@ class BackwardLaunch:
             splits = -(-k_tiles // self.per_split)
             self.weight_gemm = _Gemm("grad_weight", gw, dtype, index,
                                      (nout, p_tiles * splits, gpad // gw.bn))
+            self.dw_at = carve.add(q * gpad * 4)
             self.restore_dw = _Transpose(torch.float32, grad_dtypes[1], index, (1, q, cout),
                                          (1, q, cout), (0, q))
+        if need_bias:
+            self.db_at = carve.add(cout * 4)
+            self.restore_db = _Transpose(torch.float32, grad_dtypes[2], index, (1, 1, cout),
+                                         (1, 1, cout), (0, 1))
+        self.zero_bytes = carve.size - self.zero_from
+        self.workspace_bytes = carve.size
 
     def run(self, grad_y, x, weight, input_linear, weight_linear, reverse: ReverseTables | None):
-        """(dx, dW), None for a gradient not needed. x: [B, Cin, Nin] or the forward's
+        """(dx, dW, dbias), None for a gradient not needed. x: [B, Cin, Nin] or the forward's
         TransposedInput; reverse: the reversed graph (gather only)."""
-        device, dtype = grad_y.device, self.dtype
+        device, index = grad_y.device, self.device.index
         batch, bpad, gpad, cin, nin = self.batch, self.bpad, self.gpad, self.cin, self.nin
-        gt = torch.empty(grad_y.shape[2], gpad, bpad, dtype=dtype, device=device)
+        workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
+        base = workspace.data_ptr()
+        if self.zero_bytes:
+            _zero(base + self.zero_from, self.zero_bytes, index)
+        gt = base + self.gt_at
         sb, so, sn = grad_y.stride()
-        self.to_gt(grad_y, gt, (so, sb, sn))
-        dx = dw = None
-        if self.need_input and self.algorithm == "gather":
-            cinpad = self.cinpad
-            wr = weight_by_cell(weight, cin, gpad, cinpad, dtype)
-            out = torch.empty(batch, nin, cin, dtype=torch.float32, device=device)
-            self.input_gemm(gt.data_ptr(), wr.data_ptr(), reverse.pair_node.data_ptr(),
-                            reverse.pair_cell.data_ptr(), reverse.pair_start.data_ptr(), 0,
-                            out.data_ptr(), batch, bpad, cin, cinpad, nin, 0, gpad)
+        self.to_gt(grad_y, gt, (so, sb, sn), base + self.db_at if self.need_bias else 0)
+        dx = dw = db = None
+        if self.need_input:
+            if weight.dtype != self.dtype:
+                weight = weight.to(self.dtype)
+            w_relaid, staging = base + self.weight_at, base + self.dx_at
+            if self.algorithm == "gather":
+                s_out, s_in = weight.stride()
+                self.weight_layout(weight, w_relaid, (s_out, (self.q // cin) * s_in, s_in))
+                self.input_gemm(gt, w_relaid, reverse.pair_node.data_ptr(),
+                                reverse.pair_cell.data_ptr(), reverse.pair_start.data_ptr(), 0, 0,
+                                staging, batch, bpad, cin, self.cinpad, nin, 0, gpad)
+            else:
+                self.weight_layout(weight, w_relaid, (0, weight.stride(0), weight.stride(1)))
+                self.input_gemm(gt, w_relaid, input_linear.data_ptr(), weight_linear.data_ptr(),
+                                staging, batch, bpad, gpad, gpad, self.p64, cin * nin)
             dx = torch.empty(batch, cin, nin, dtype=self.grad_dtypes[0], device=device)
-            self.restore_dx(out, dx, (nin * cin, cin, 1))
-        elif self.need_input:
-            wt = transposed_weight(weight, gpad, dtype)
-            dxt = torch.zeros(cin * nin, bpad, dtype=torch.float32, device=device)
-            self.input_gemm(gt.data_ptr(), wt.data_ptr(), input_linear.data_ptr(),
-                            weight_linear.data_ptr(), dxt.data_ptr(), batch, bpad, gpad,
-                            wt.shape[1], self.p64, cin * nin)
-            dx = torch.empty(batch, cin, nin, dtype=self.grad_dtypes[0], device=device)
-            self.restore_dx(dxt, dx, (0, bpad, 1))
+            self.restore_dx.launch_raw(staging, dx.data_ptr(), self.restore_dx_strides)
         if self.need_weight:
             saved = self.input_layout(x)
-            dwt = torch.zeros(self.q, gpad, dtype=torch.float32, device=device)
-            self.weight_gemm(saved.xt.data_ptr(), gt.data_ptr(), input_linear.data_ptr(),
-                             weight_linear.data_ptr(), dwt.data_ptr(), bpad, gpad, self.p64,
-                             cin * nin, self.p_tiles, self.per_split)
+            dwt = base + self.dw_at
+            self.weight_gemm(saved.xt.data_ptr(), gt, input_linear.data_ptr(),
+                             weight_linear.data_ptr(), dwt, bpad, gpad, self.p64, cin * nin,
+                             self.p_tiles, self.per_split)
             dw = torch.empty(self.cout, self.q, dtype=self.grad_dtypes[1], device=device)
-            self.restore_dw(dwt, dw, (0, gpad, 1))
-        return dx, dw
+            self.restore_dw.launch_raw(dwt, dw.data_ptr(), (0, gpad, 1))
+        if self.need_bias:
+            db = torch.empty(self.cout, dtype=self.grad_dtypes[2], device=device)
+            self.restore_db.launch_raw(base + self.db_at, db.data_ptr(), (0, 0, 1))
+        return dx, dw, db
 
 
 def _check_operands(name: str, *tensors: torch.Tensor) -> None:
@@ -434,7 +506,8 @@ def forward(x, weight, bias, input_linear, weight_linear, config=None, *, poison
     batch, cin, nin = x.shape
     nout, p64 = input_linear.shape
     launch = ForwardLaunch(batch=batch, cin=cin, nin=nin, cout=weight.shape[0], nout=nout,
-                           p64=p64, dtype=x.dtype, device=x.device, config=config)
+                           q=weight.shape[1], p64=p64, dtype=x.dtype, device=x.device,
+                           config=config)
     y, saved = launch.run(x, weight, bias, input_linear, weight_linear,
                           poison_output=poison_output)
     return (y, saved) if return_transposed else y
@@ -448,6 +521,7 @@ def backward(grad_y, x, weight, input_linear, weight_linear, reverse, cin, nin, 
     _check_operands("backward", *((grad_y, weight) if need_input else (grad_y,)))
     _check_tables(input_linear, weight_linear, grad_y.device)
     batch, cout, nout = grad_y.shape
+    q = weight.shape[1] if need_input else q
     launch = BackwardLaunch(batch=batch, cin=cin, nin=nin, cout=cout, nout=nout, q=q,
                             p64=input_linear.shape[1], dtype=grad_y.dtype, device=grad_y.device,
                             need_input=need_input, need_weight=need_weight,
@@ -455,7 +529,7 @@ def backward(grad_y, x, weight, input_linear, weight_linear, reverse, cin, nin, 
                             weight_config=weight_config, ksplit=ksplit)
     if launch.algorithm == "gather" and need_input and reverse is None:
         raise ValueError("the gather algorithm needs reverse=reverse_tables(...)")
-    return launch.run(grad_y, x, weight, input_linear, weight_linear, reverse)
+    return launch.run(grad_y, x, weight, input_linear, weight_linear, reverse)[:2]
 
 
 def grad_input(grad_y, weight, input_linear, weight_linear, cin, nin, config=None, *,

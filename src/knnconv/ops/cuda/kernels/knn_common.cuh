@@ -80,18 +80,16 @@ __device__ __forceinline__ float to_float(T value) {
   return static_cast<float>(value);
 }
 
-// Stores kChunk consecutive values (plus bias when given) with 16-byte vector stores.
+// Stores kChunk consecutive values with 16-byte vector stores.
 template <typename TOut>
-__device__ __forceinline__ void store_chunk(TOut* out, const float* values, const float* bias) {
+__device__ __forceinline__ void store_chunk(TOut* out, const float* values) {
   constexpr int kPerVector = 16 / sizeof(TOut);
 #pragma unroll
   for (int v = 0; v < kChunk; v += kPerVector) {
     uint4 packed;
     TOut* scalars = reinterpret_cast<TOut*>(&packed);
 #pragma unroll
-    for (int e = 0; e < kPerVector; ++e) {
-      scalars[e] = from_float<TOut>(values[v + e] + (bias == nullptr ? 0.0f : bias[v + e]));
-    }
+    for (int e = 0; e < kPerVector; ++e) scalars[e] = from_float<TOut>(values[v + e]);
     *reinterpret_cast<uint4*>(out + v) = packed;
   }
 }

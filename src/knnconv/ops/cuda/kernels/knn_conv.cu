@@ -115,9 +115,9 @@ template <typename T, typename TOut, int kTileM, int kTileN, int kTileK, int kWa
 __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
     knn_forward(const T* __restrict__ xt, const T* __restrict__ wt,
                 const int* __restrict__ input_rows, const int* __restrict__ weight_rows,
-                const int* __restrict__ pair_start, const float* __restrict__ bias,
-                TOut* __restrict__ y, int batch, int bpad, int cout, int cpad, int nout, int p64,
-                int block) {
+                const int* __restrict__ pair_start, const void* __restrict__ bias,
+                int bias_is_float32, TOut* __restrict__ y, int batch, int bpad, int cout,
+                int cpad, int nout, int p64, int block) {
   constexpr int kThreads = kWarpsM * kWarpsN * kWarp;
   constexpr int kAPitch = kTileM + kPad, kBPitch = kTileN + kPad;
   constexpr int kAElems = kTileK * kAPitch, kBElems = kTileK * kBPitch;
@@ -179,15 +179,24 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
   const int row0 = b0 + warp_m * Tile::kFragsM * kFrag;
   const int col0 = o0 + warp_n * Tile::kFragsN * kFrag;
   const bool vector_rows = cout % kChunk == 0;
+  // The bias comes in the compute dtype or, to spare the caller a conversion, in float32.
+  auto bias_at = [&](int o) -> float {
+    if (bias == nullptr) return 0.0f;
+    return bias_is_float32 ? static_cast<const float*>(bias)[o]
+                           : to_float(static_cast<const T*>(bias)[o]);
+  };
   tile.drain_row_chunks(smem.scratch, [&](int r, int c, const float* values) {
     const int b = row0 + r, o = col0 + c;
     if (b >= batch || o >= cout) return;
     TOut* out = y + (static_cast<size_t>(b) * nout + node) * cout + o;
     if (vector_rows) {  // the whole 8-wide chunk is in range and 16-byte aligned
-      store_chunk(out, values, bias == nullptr ? nullptr : bias + o);
+      float biased[kChunk];
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) biased[e] = values[e] + bias_at(o + e);
+      store_chunk(out, biased);
     } else {
       for (int e = 0; e < kChunk && o + e < cout; ++e) {
-        out[e] = from_float<TOut>(values[e] + (bias == nullptr ? 0.0f : bias[o + e]));
+        out[e] = from_float<TOut>(values[e] + bias_at(o + e));
       }
     }
   });
@@ -316,14 +325,16 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
 }
 
 // dst[z*dst_stride_z + c*dst_stride_c + a] = src[z*src_stride_z + a*src_stride_a + c*src_stride_c]:
-// a batch
-// of 2-D transposes through a 32x32 shared tile (both sides coalesced), converting the type and
-// writing zeros wherever (z, a, c) lies past the source extents. Grid: (c tiles, a tiles, z).
+// a batch of 2-D transposes through a 32x32 shared tile (both sides coalesced), converting the
+// type and writing zeros wherever (z, a, c) lies past the source extents. Grid: (c tiles,
+// a tiles, z). With z_sums, also z_sums[z] += the sum of source slice z (fp32 atomics, one per
+// block): the bias gradient comes out of grad_y's re-layout without another pass over it.
 template <typename TIn, typename TOut>
 __global__ void __launch_bounds__(kTransposeTile* kTransposeRows)
     transpose_pad(const TIn* __restrict__ src, TOut* __restrict__ dst, int src_z, int src_a,
                   int src_c, long long src_stride_z, long long src_stride_a, long long src_stride_c,
-                  int dst_a, int dst_c, long long dst_stride_z, long long dst_stride_c) {
+                  int dst_a, int dst_c, long long dst_stride_z, long long dst_stride_c,
+                  float* __restrict__ z_sums) {
   __shared__ float tile[kTransposeTile][kTransposeTile + 1];
   const int c0 = blockIdx.x * kTransposeTile, a0 = blockIdx.y * kTransposeTile;
   const int z = blockIdx.z;
@@ -334,6 +345,15 @@ __global__ void __launch_bounds__(kTransposeTile* kTransposeRows)
     tile[i][threadIdx.x] = inside ? to_float(src_z_base[a * src_stride_a + c * src_stride_c]) : 0.0f;
   }
   __syncthreads();
+  if (z_sums != nullptr && threadIdx.y == 0 && z < src_z) {
+    float sum = 0.0f;
+    for (int i = 0; i < kTransposeTile; ++i) sum += tile[i][threadIdx.x];
+#pragma unroll
+    for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+      sum += __shfl_down_sync(0xffffffffu, sum, offset);
+    }
+    if (threadIdx.x == 0) atomicAdd(z_sums + z, sum);
+  }
   TOut* dst_z_base = dst + z * dst_stride_z;
   for (int i = threadIdx.y; i < kTransposeTile; i += kTransposeRows) {
     const int c = c0 + i, a = a0 + threadIdx.x;
