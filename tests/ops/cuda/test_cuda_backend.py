@@ -84,6 +84,25 @@ def check_all_entries(plan, x, weight, bias, grad_y, *, forward_cfg=None, input_
         assert rel_err(value, expected) < GRAD_TOLERANCE
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("nodes_per_cta", (2, 3, 8))
+def test_ctas_walking_several_nodes_match_reference(dtype, nodes_per_cta):
+    # Nout = 37 leaves a ragged last CTA for every walk length; one slot tile per node.
+    plan, x, weight, bias, grad_y = make_case(40 + nodes_per_cta, batch=33, cin=3, cout=65,
+                                              dtype=dtype, nin=90, nout=37, k=9, padding=0.1)
+    tables = plan.on(DEVICE)
+    il, wl = tables.input_linear, tables.weight_linear
+    y_ref, dx_ref, dw_ref = reference(plan, x, weight, bias, grad_y)
+    y = knn_cuda.forward(x, weight, bias, il, wl, poison_output=True,
+                         nodes_per_cta=nodes_per_cta)
+    dx, _ = knn_cuda.backward(grad_y, x, weight, il, wl, None, plan.cin, plan.nin, plan.q,
+                              need_weight=False, input_algorithm="scatter",
+                              nodes_per_cta=nodes_per_cta)
+    assert not torch.isnan(y).any(), "unwritten (poisoned) forward outputs"
+    assert rel_err(y, y_ref) < FORWARD_TOLERANCE[dtype]
+    assert rel_err(dx, dx_ref) < GRAD_TOLERANCE
+
+
 SIZES = list(itertools.product((1, 15, 17, 129, 513), (1, 63, 65, 130)))
 SLOT_COUNTS = ((3, 9), (20, 9), (64, 9), (7, 25))  # (Cin, K): P64 = 64, 192, 576, 192
 

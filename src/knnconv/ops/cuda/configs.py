@@ -162,3 +162,24 @@ def default_grad_weight_ksplit(cfg, bpad, cpad, p64, nout, device_index=None, *,
     ctas = nout * (p64 // cfg.tile_m) * (cpad // cfg.bn)
     batch_steps = max(1, bpad // cfg.bk)
     return max(1, min(batch_steps, math.ceil(2 * multiprocessors / ctas)))
+
+
+# A CTA of knn_forward / knn_grad_input_scatter walks several nodes in one pipeline until it
+# has at least this many contraction tiles, so layers with few slots (or channels) per node
+# keep loads in flight across node boundaries instead of paying each CTA's start-up latency.
+MIN_TILES_PER_CTA = 8
+MAX_NODES_PER_CTA = 8
+WALKING_MAX_THREADS = 256  # knn_forward walks with <= 8 warps (kWalkNodes in knn_conv.cu)
+
+
+def default_nodes_per_cta(cfg: KernelConfig, k_tiles: int, ctas_per_node: int, nout: int,
+                          multiprocessors: int) -> int:
+    """Nodes per CTA: doubled while a CTA has fewer than MIN_TILES_PER_CTA tiles and the grid
+    keeps at least four CTAs per SM."""
+    if cfg.threads > WALKING_MAX_THREADS:
+        return 1
+    nodes = 1
+    while (nodes < MAX_NODES_PER_CTA and k_tiles * nodes < MIN_TILES_PER_CTA
+           and -(-nout // (2 * nodes)) * ctas_per_node >= 4 * multiprocessors):
+        nodes *= 2
+    return nodes

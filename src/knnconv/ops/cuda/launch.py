@@ -23,6 +23,7 @@ import torch
 from ...plan import SLOT_ALIGN
 from .build import CompiledKernel, get_kernel, import_cupy, kernel_name, transpose_name
 from .configs import (
+    WALKING_MAX_THREADS,
     KernelConfig,
     check_config,
     default_config,
@@ -31,6 +32,7 @@ from .configs import (
     default_grad_input_scatter_config,
     default_grad_weight_config,
     default_grad_weight_ksplit,
+    default_nodes_per_cta,
     shared_memory_bytes,
 )
 
@@ -269,6 +271,17 @@ def reverse_tables(knn_indices: torch.Tensor, rf_index: torch.Tensor, nin: int) 
                          cell[order].int().contiguous())
 
 
+def _nodes_per_cta(requested: int | None, cfg: KernelConfig, k_tiles: int, ctas_per_node: int,
+                   nout: int, device_index: int) -> int:
+    if requested is None:
+        return default_nodes_per_cta(cfg, k_tiles, ctas_per_node, nout,
+                                     _multiprocessors(device_index))
+    if requested < 1 or (requested > 1 and cfg.threads > WALKING_MAX_THREADS):
+        raise ValueError(f"nodes_per_cta must be >= 1, and 1 for tiles of more than "
+                         f"{WALKING_MAX_THREADS} threads; got {requested} for {tuple(cfg)}")
+    return requested
+
+
 def padded_batch(batch: int, *configs: tuple[str, KernelConfig]) -> int:
     """The batch padded so every given (family, config)'s batch tile divides it."""
     return _round_up(batch, math.lcm(*(cfg.bk if family == "grad_weight" else cfg.tile_m
@@ -300,19 +313,23 @@ class ForwardLaunch:
     def __init__(self, *, batch: int, cin: int, nin: int, cout: int, nout: int, q: int,
                  p64: int, dtype: torch.dtype, device: torch.device,
                  config: KernelConfig | None = None,
-                 input_dtype: torch.dtype | None = None) -> None:
+                 input_dtype: torch.dtype | None = None,
+                 nodes_per_cta: int | None = None) -> None:
         self.cfg = cfg = check_config(
             "forward", config or default_config(batch, cout, p64, dtype, nout), p64=p64,
             max_shared_bytes=_shared_memory_limit(device.index))
         bpad = forward_batch_padding(batch, cfg, cin, cout, p64)
         self.batch, self.bpad, self.cpad = batch, bpad, _round_up(cout, cfg.bn)
+        grid_yz = (self.cpad // cfg.bn, bpad // cfg.tile_m)
+        self.nodes_per_cta = _nodes_per_cta(nodes_per_cta, cfg, p64 // cfg.bk,
+                                            grid_yz[0] * grid_yz[1], nout, device.index)
         self.cout, self.nout, self.p64, self.dtype = cout, nout, p64, dtype
         self.weight_layout = _weight_transposed(cout, q, self.cpad, dtype, dtype, device.index)
         wt_bytes = q * self.cpad * torch.empty((), dtype=dtype).element_size()
         self.input_layout = _InputLayout(batch, cin, nin, bpad, input_dtype or dtype, dtype,
                                          device.index, spare_bytes=wt_bytes)
         self.gemm = _Gemm("forward", cfg, dtype, device.index,
-                          (nout, self.cpad // cfg.bn, bpad // cfg.tile_m))
+                          (-(-nout // self.nodes_per_cta), *grid_yz))
 
     def run(self, x, weight, bias, input_linear, weight_linear, *, poison_output=False):
         """bias: None, float32, or in the compute dtype (both added in fp32 by the kernel)."""
@@ -330,7 +347,7 @@ class ForwardLaunch:
         self.gemm(saved.xt.data_ptr(), wt, input_linear.data_ptr(), weight_linear.data_ptr(), 0,
                   _pointer(bias), int(bias is not None and bias.dtype == torch.float32),
                   y.data_ptr(), self.batch, self.bpad, self.cout, self.cpad, self.nout, self.p64,
-                  0)
+                  0, self.nodes_per_cta)
         return y.transpose(1, 2), saved
 
 
@@ -351,6 +368,7 @@ class BackwardLaunch:
                  need_weight: bool = True, need_bias: bool = False, algorithm: str | None = None,
                  input_config: KernelConfig | None = None,
                  weight_config: KernelConfig | None = None, ksplit: int | None = None,
+                 nodes_per_cta: int | None = None,
                  grad_dtypes=(torch.float32, torch.float32, torch.float32)) -> None:
         index = device.index
         algorithm = algorithm or default_grad_input_algorithm(cin)
@@ -395,8 +413,11 @@ class BackwardLaunch:
         elif need_input:
             self.weight_at = carve.add(q * gpad * item)
             self.weight_layout = _weight_transposed(cout, q, gpad, dtype, dtype, index)
+            grid_yz = (p64 // gi.bn, bpad // gi.tile_m)
+            self.nodes_per_cta = _nodes_per_cta(nodes_per_cta, gi, gpad // gi.bk,
+                                                grid_yz[0] * grid_yz[1], nout, index)
             self.input_gemm = _Gemm(input_family, gi, dtype, index,
-                                    (nout, p64 // gi.bn, bpad // gi.tile_m))
+                                    (-(-nout // self.nodes_per_cta), *grid_yz))
             self.restore_dx = _Transpose(torch.float32, grad_dtypes[0], index,
                                          (1, rows, batch), (1, rows, batch), (0, rows))
             self.restore_dx_strides = (0, bpad, 1)
@@ -446,11 +467,12 @@ class BackwardLaunch:
                 self.weight_layout(weight, w_relaid, (s_out, (self.q // cin) * s_in, s_in))
                 self.input_gemm(gt, w_relaid, reverse.pair_node.data_ptr(),
                                 reverse.pair_cell.data_ptr(), reverse.pair_start.data_ptr(), 0, 0,
-                                staging, batch, bpad, cin, self.cinpad, nin, 0, gpad)
+                                staging, batch, bpad, cin, self.cinpad, nin, 0, gpad, 1)
             else:
                 self.weight_layout(weight, w_relaid, (0, weight.stride(0), weight.stride(1)))
                 self.input_gemm(gt, w_relaid, input_linear.data_ptr(), weight_linear.data_ptr(),
-                                staging, batch, bpad, gpad, gpad, self.p64, cin * nin)
+                                staging, batch, bpad, gpad, gpad, self.p64, cin * nin,
+                                input_linear.shape[0], self.nodes_per_cta)
             dx = torch.empty(batch, cin, nin, dtype=self.grad_dtypes[0], device=device)
             self.restore_dx.launch_raw(staging, dx.data_ptr(), self.restore_dx_strides)
         if self.need_weight:
@@ -492,14 +514,14 @@ def _check_tables(input_linear: torch.Tensor, weight_linear: torch.Tensor,
 
 
 def forward(x, weight, bias, input_linear, weight_linear, config=None, *, poison_output=False,
-            return_transposed=False):
+            return_transposed=False, nodes_per_cta=None):
     """y [B, Cout, Nout] (a view of a contiguous [B, Nout, Cout] buffer) in x's dtype.
 
     x: [B, Cin, Nin] float16/bfloat16; weight: [Cout, Cin*V] (converted to x's dtype); bias:
     [Cout] or None, added in fp32; input_linear / weight_linear: int32 [Nout, P64], entries
     equal to Cin*Nin select the zero row. poison_output fills y with NaN first, so an element
     the kernel fails to write shows. return_transposed: also return the TransposedInput, for
-    the backward.
+    the backward. nodes_per_cta: how many nodes one CTA walks (None: heuristic).
     """
     _check_operands("forward", x, weight, *(() if bias is None else (bias,)))
     _check_tables(input_linear, weight_linear, x.device)
@@ -507,7 +529,7 @@ def forward(x, weight, bias, input_linear, weight_linear, config=None, *, poison
     nout, p64 = input_linear.shape
     launch = ForwardLaunch(batch=batch, cin=cin, nin=nin, cout=weight.shape[0], nout=nout,
                            q=weight.shape[1], p64=p64, dtype=x.dtype, device=x.device,
-                           config=config)
+                           config=config, nodes_per_cta=nodes_per_cta)
     y, saved = launch.run(x, weight, bias, input_linear, weight_linear,
                           poison_output=poison_output)
     return (y, saved) if return_transposed else y
@@ -515,9 +537,10 @@ def forward(x, weight, bias, input_linear, weight_linear, config=None, *, poison
 
 def backward(grad_y, x, weight, input_linear, weight_linear, reverse, cin, nin, q, *,
              need_input=True, need_weight=True, input_algorithm=None, input_config=None,
-             weight_config=None, ksplit=None):
+             weight_config=None, ksplit=None, nodes_per_cta=None):
     """(dx, dW) in float32, either None when not needed, from one grad_y re-layout (see
-    :class:`BackwardLaunch`). x: [B, Cin, Nin] or the forward's TransposedInput."""
+    :class:`BackwardLaunch`). x: [B, Cin, Nin] or the forward's TransposedInput.
+    nodes_per_cta: how many nodes one CTA of the scatter kernel walks (None: heuristic)."""
     _check_operands("backward", *((grad_y, weight) if need_input else (grad_y,)))
     _check_tables(input_linear, weight_linear, grad_y.device)
     batch, cout, nout = grad_y.shape
@@ -526,7 +549,8 @@ def backward(grad_y, x, weight, input_linear, weight_linear, reverse, cin, nin, 
                             p64=input_linear.shape[1], dtype=grad_y.dtype, device=grad_y.device,
                             need_input=need_input, need_weight=need_weight,
                             algorithm=input_algorithm, input_config=input_config,
-                            weight_config=weight_config, ksplit=ksplit)
+                            weight_config=weight_config, ksplit=ksplit,
+                            nodes_per_cta=nodes_per_cta)
     if launch.algorithm == "gather" and need_input and reverse is None:
         raise ValueError("the gather algorithm needs reverse=reverse_tables(...)")
     return launch.run(grad_y, x, weight, input_linear, weight_linear, reverse)[:2]

@@ -96,6 +96,7 @@ __device__ __forceinline__ void store_chunk(TOut* out, const float* values) {
 
 // The software pipeline every kernel runs over its contraction tiles [first, last):
 // kStages shared-memory buffers, tile t+kStages-1 in flight while tile t is multiplied.
+// load(t, stage) and compute(stage) are called for t = first, first + 1, ... in order.
 template <int kStages, typename Load, typename Compute>
 __device__ __forceinline__ void pipeline(int first, int last, Load load, Compute compute) {
 #pragma unroll

@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
                 const int* __restrict__ input_rows, const int* __restrict__ weight_rows,
                 const int* __restrict__ pair_start, const void* __restrict__ bias,
                 int bias_is_float32, TOut* __restrict__ y, int batch, int bpad, int cout,
-                int cpad, int nout, int p64, int block) {
+                int cpad, int nout, int p64, int block, int nodes_per_cta) {
   constexpr int kThreads = kWarpsM * kWarpsN * kWarp;
   constexpr int kAPitch = kTileM + kPad, kBPitch = kTileN + kPad;
   constexpr int kAElems = kTileK * kAPitch, kBElems = kTileK * kBPitch;
@@ -128,21 +128,25 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
   WarpTile<T, kTileM, kTileN, kWarpsM, kWarpsN> tile;
   using Tile = decltype(tile);
 
-  const int node = blockIdx.x;
+  // Forward: the CTA walks nodes first_node.. in one pipeline (nodes_per_cta of them, fewer in
+  // the last CTA), so a layer with few slots per node keeps loads in flight across nodes.
+  // One node per CTA (nodes_per_cta == 1) in reverse mode, where the slot count varies, and
+  // for 16-warp tiles, whose 128-register budget has no room for the walk (they serve layers
+  // with many slots per node anyway).
+  constexpr bool kWalkNodes = !kReverse && kWarpsM * kWarpsN <= 8;
+  const int first_node = kWalkNodes ? blockIdx.x * nodes_per_cta : blockIdx.x;
   const int o0 = blockIdx.y * kTileN;
   const int b0 = blockIdx.z * kTileM;
   int k_tiles;
-  const int* in_rows;
-  const int* w_rows;
+  const int* in_rows = input_rows;
+  const int* w_rows = weight_rows;
   if constexpr (kReverse) {
-    const int first_pair = pair_start[node];
-    k_tiles = (pair_start[node + 1] - first_pair) * (block / kTileK);
-    in_rows = input_rows + first_pair;
-    w_rows = weight_rows + first_pair;
+    const int first_pair = pair_start[first_node];
+    k_tiles = (pair_start[first_node + 1] - first_pair) * (block / kTileK);
+    in_rows += first_pair;
+    w_rows += first_pair;
   } else {
     k_tiles = p64 / kTileK;
-    in_rows = input_rows + static_cast<size_t>(node) * p64;
-    w_rows = weight_rows + static_cast<size_t>(node) * p64;
   }
   // Global row of slot k0 + r; in reverse mode a tile never straddles two pairs.
   auto slot_row = [&](const int* rows, int k0, int r) -> long long {
@@ -153,15 +157,56 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
     }
   };
 
+  // The bias comes in the compute dtype or, to spare the caller a conversion, in float32.
+  auto bias_at = [&](int o) -> float {
+    if (bias == nullptr) return 0.0f;
+    return bias_is_float32 ? static_cast<const float*>(bias)[o]
+                           : to_float(static_cast<const T*>(bias)[o]);
+  };
+  auto store_node = [&](int node) {  // what it needs is computed here, not kept live
+    const int row0 = b0 + warp_m * Tile::kFragsM * kFrag;
+    const int col0 = o0 + warp_n * Tile::kFragsN * kFrag;
+    const bool vector_rows = cout % kChunk == 0;
+    tile.drain_row_chunks(smem.scratch, [&](int r, int c, const float* values) {
+      const int b = row0 + r, o = col0 + c;
+      if (b >= batch || o >= cout) return;
+      TOut* out = y + (static_cast<size_t>(b) * nout + node) * cout + o;
+      if (vector_rows) {  // the whole 8-wide chunk is in range and 16-byte aligned
+        float biased[kChunk];
+#pragma unroll
+        for (int e = 0; e < kChunk; ++e) biased[e] = values[e] + bias_at(o + e);
+        store_chunk(out, biased);
+      } else {
+        for (int e = 0; e < kChunk && o + e < cout; ++e) {
+          out[e] = from_float<TOut>(values[e] + bias_at(o + e));
+        }
+      }
+    });
+  };
+
   tile.zero();
-  auto load = [&](int k_tile, int stage) {
-    const int k0 = k_tile * kTileK;
+  // load and compute each see t = 0, 1, ... in order: walk (node, k tile) without dividing.
+  int load_tile = 0, compute_tile = 0;
+  const int* in_node = in_rows;
+  const int* w_node = w_rows;
+  if constexpr (!kReverse) {  // the one pair list of a reverse node is in_rows itself
+    in_node += static_cast<size_t>(first_node) * p64;
+    w_node += static_cast<size_t>(first_node) * p64;
+  }
+  int store_at = first_node;
+  auto load = [&](int tile_index, int stage) {
+    if (kWalkNodes && load_tile == k_tiles) {
+      load_tile = 0;
+      in_node += p64;
+      w_node += p64;
+    }
+    const int k0 = (kWalkNodes ? load_tile++ : tile_index) * kTileK;
     stage_rows<T, kTileK, kTileM, kAPitch, kThreads, kAsync>(
         smem.a + stage * kAElems, xt,
-        [&](int r) { return slot_row(in_rows, k0, r) * bpad + b0; });
+        [&](int r) { return slot_row(in_node, k0, r) * bpad + b0; });
     stage_rows<T, kTileK, kTileN, kBPitch, kThreads, kAsync>(
         smem.b + stage * kBElems, wt,
-        [&](int r) { return slot_row(w_rows, k0, r) * cpad + o0; });
+        [&](int r) { return slot_row(w_node, k0, r) * cpad + o0; });
   };
   auto compute = [&](int stage) {
     const T* a = smem.a + stage * kAElems;
@@ -173,33 +218,15 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
           [&](int j) { return b + kk * kBPitch + (warp_n * Tile::kFragsN + j) * kFrag; },
           kAPitch, kBPitch);
     }
-  };
-  pipeline<kStages>(0, k_tiles, load, compute);
-
-  const int row0 = b0 + warp_m * Tile::kFragsM * kFrag;
-  const int col0 = o0 + warp_n * Tile::kFragsN * kFrag;
-  const bool vector_rows = cout % kChunk == 0;
-  // The bias comes in the compute dtype or, to spare the caller a conversion, in float32.
-  auto bias_at = [&](int o) -> float {
-    if (bias == nullptr) return 0.0f;
-    return bias_is_float32 ? static_cast<const float*>(bias)[o]
-                           : to_float(static_cast<const T*>(bias)[o]);
-  };
-  tile.drain_row_chunks(smem.scratch, [&](int r, int c, const float* values) {
-    const int b = row0 + r, o = col0 + c;
-    if (b >= batch || o >= cout) return;
-    TOut* out = y + (static_cast<size_t>(b) * nout + node) * cout + o;
-    if (vector_rows) {  // the whole 8-wide chunk is in range and 16-byte aligned
-      float biased[kChunk];
-#pragma unroll
-      for (int e = 0; e < kChunk; ++e) biased[e] = values[e] + bias_at(o + e);
-      store_chunk(out, biased);
-    } else {
-      for (int e = 0; e < kChunk && o + e < cout; ++e) {
-        out[e] = from_float<TOut>(values[e] + bias_at(o + e));
-      }
+    if (kWalkNodes && ++compute_tile == k_tiles) {  // the node's last tile: store, next node
+      compute_tile = 0;
+      store_node(store_at++);
+      tile.zero();
     }
-  });
+  };
+  const int tiles = kWalkNodes ? min(nodes_per_cta, nout - first_node) * k_tiles : k_tiles;
+  pipeline<kStages>(0, tiles, load, compute);
+  if constexpr (!kWalkNodes) store_node(first_node);  // also when a reverse node has no pairs
 }
 
 // dxt[in(n,p), b] += sum_o gt[n, o, b] * wt[w(n,p), o]: M = batch, N = slots, K = Cout, the
@@ -211,7 +238,8 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
     knn_grad_input_scatter(const T* __restrict__ gt, const T* __restrict__ wt,
                            const int* __restrict__ input_linear,
                            const int* __restrict__ weight_linear, float* __restrict__ dxt,
-                           int batch, int bpad, int gpad, int wpad, int p64, int pad_row) {
+                           int batch, int bpad, int gpad, int wpad, int p64, int pad_row,
+                           int nout, int nodes_per_cta) {
   constexpr int kThreads = kWarpsM * kWarpsN * kWarp;
   constexpr int kAPitch = kTileM + kPad, kBPitch = kTileK + kPad;
   constexpr int kAElems = kTileK * kAPitch, kBElems = kTileN * kBPitch;
@@ -222,16 +250,34 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
   WarpTile<T, kTileM, kTileN, kWarpsM, kWarpsN> tile;
   using Tile = decltype(tile);
 
-  const int node = blockIdx.x;
+  // The CTA walks nodes first_node.. in one pipeline (see knn_forward): k_tiles per node.
+  const int first_node = blockIdx.x * nodes_per_cta;
+  const int nodes = min(nodes_per_cta, nout - first_node);
+  const int k_tiles = gpad / kTileK;
   const int p0 = blockIdx.y * kTileN;
   const int b0 = blockIdx.z * kTileM;
-  const int* in_rows = input_linear + static_cast<size_t>(node) * p64;
-  const int* w_rows = weight_linear + static_cast<size_t>(node) * p64;
-  const T* grad_rows = gt + static_cast<size_t>(node) * gpad * bpad;
+  const int row0 = b0 + warp_m * Tile::kFragsM * kFrag;
+  const int col0 = p0 + warp_n * Tile::kFragsN * kFrag;
+  auto store_node = [&](int node) {
+    const int* in_rows = input_linear + static_cast<size_t>(node) * p64;
+    tile.template drain<true>(smem.scratch, [&](int r, int c, float value) {
+      const int b = row0 + r;
+      const int row = in_rows[col0 + c];
+      if (b < batch && row != pad_row) atomicAdd(dxt + static_cast<size_t>(row) * bpad + b, value);
+    });
+  };
 
   tile.zero();
-  auto load = [&](int k_tile, int stage) {
-    const int k0 = k_tile * kTileK;
+  // load and compute each see t = 0, 1, ... in order: walk (node, k tile) without dividing.
+  int load_tile = 0, load_node = first_node, compute_tile = 0, store_at = first_node;
+  auto load = [&](int /*tile*/, int stage) {
+    if (load_tile == k_tiles) {
+      load_tile = 0;
+      ++load_node;
+    }
+    const int k0 = load_tile++ * kTileK;
+    const int* w_rows = weight_linear + static_cast<size_t>(load_node) * p64;
+    const T* grad_rows = gt + static_cast<size_t>(load_node) * gpad * bpad;
     stage_rows<T, kTileK, kTileM, kAPitch, kThreads, kAsync>(
         smem.a + stage * kAElems, grad_rows,
         [&](int r) { return static_cast<long long>(k0 + r) * bpad + b0; });
@@ -249,16 +295,13 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
           [&](int j) { return b + (warp_n * Tile::kFragsN + j) * kFrag * kBPitch + kk; },
           kAPitch, kBPitch);
     }
+    if (++compute_tile == k_tiles) {  // the node's last tile: scatter it, next node
+      compute_tile = 0;
+      store_node(store_at++);
+      tile.zero();
+    }
   };
-  pipeline<kStages>(0, gpad / kTileK, load, compute);
-
-  const int row0 = b0 + warp_m * Tile::kFragsM * kFrag;
-  const int col0 = p0 + warp_n * Tile::kFragsN * kFrag;
-  tile.template drain<true>(smem.scratch, [&](int r, int c, float value) {
-    const int b = row0 + r;
-    const int row = in_rows[col0 + c];
-    if (b < batch && row != pad_row) atomicAdd(dxt + static_cast<size_t>(row) * bpad + b, value);
-  });
+  pipeline<kStages>(0, nodes * k_tiles, load, compute);
 }
 
 // dwt[w(n,p), o] += sum_b xt[in(n,p), b] * gt[n, o, b]: M = slots, N = Cout, K = batch,
