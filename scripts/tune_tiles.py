@@ -1,6 +1,9 @@
-"""Time each kernel family over candidate tile configs on real layer geometries (GPU).
+"""Time each kernel family over candidate tile configs (and, for the forward and the dx
+scatter, nodes per CTA) on real layer geometries (GPU).
 
     python scripts/tune_tiles.py GEOMETRY_DIR OUT.json LAYER_SUBSTR:BATCH [...]
+
+KNNCONV_TUNE_FAMILIES=forward,grad_weight (comma-separated) limits the families tuned.
 
 Median of CUDA-event-timed calls of the family's entry point (the backward ones include the
 grad_y re-layout, the same for every config); the fastest config per (family, cell) is
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -19,11 +23,14 @@ import torch
 from knnconv.bench import load_geometry_dir, time_calls
 from knnconv.ops import cuda as knn_cuda
 from knnconv.ops.cuda import launch
-from knnconv.ops.cuda.configs import KernelConfig, check_config
+from knnconv.ops.cuda.configs import WALKING_MAX_THREADS, KernelConfig, check_config
 
 # (bm, bn, rb, wm, wn): CTA tile (bm*rb) x bn over wm x wn warps.
 TILES = [(64, 128, 2, 2, 4), (64, 64, 2, 4, 2), (64, 128, 1, 2, 4), (64, 256, 2, 4, 4),
-         (64, 32, 2, 4, 1)]
+         (64, 32, 2, 4, 1), (64, 64, 3, 4, 2)]
+WALKS = (1, 2, 4, 8)  # nodes per CTA, for the families whose CTAs walk nodes
+FAMILIES_TO_TUNE = os.environ.get("KNNCONV_TUNE_FAMILIES",
+                                  "forward,grad_input,grad_input_scatter,grad_weight").split(",")
 DEPTHS = [(32, 2), (32, 3), (64, 3)]  # (bk, stages)
 
 
@@ -45,23 +52,28 @@ def tune_cell(layer, batch: int) -> list[dict]:
     weight = torch.randn(plan.cout, plan.q, device=device, dtype=torch.float16)
     grad_y = torch.randn(batch, plan.cout, plan.nout, device=device, dtype=torch.float16)
     rows = []
-    for family in ("forward", "grad_input", "grad_input_scatter", "grad_weight"):
-        for cfg in candidates(family, plan.p64):
+    for family in FAMILIES_TO_TUNE:
+        walks = WALKS if family in ("forward", "grad_input_scatter") else (None,)
+        for cfg, nodes in itertools.product(candidates(family, plan.p64), walks):
+            if nodes is not None and nodes > 1 and cfg.threads > WALKING_MAX_THREADS:
+                continue
             if family == "forward":
-                def call(cfg=cfg):
+                def call(cfg=cfg, nodes=nodes):
                     return knn_cuda.forward(x, weight, None, tables.input_linear,
-                                            tables.weight_linear, cfg)
+                                            tables.weight_linear, cfg, nodes_per_cta=nodes)
             else:
                 need_input = family != "grad_weight"
                 saved = launch.transposed_input(
                     x, launch.padded_batch(batch, ("grad_weight", cfg)), torch.float16)
 
-                def call(cfg=cfg, need_input=need_input, saved=saved, family=family):
+                def call(cfg=cfg, need_input=need_input, saved=saved, family=family,
+                         nodes=nodes):
                     return knn_cuda.backward(
                         grad_y, saved if not need_input else x, weight, tables.input_linear,
                         tables.weight_linear, reverse, plan.cin, plan.nin, plan.q,
                         need_input=need_input, need_weight=not need_input,
                         input_algorithm="scatter" if family == "grad_input_scatter" else None,
+                        nodes_per_cta=nodes,
                         **({"input_config": cfg} if need_input else {"weight_config": cfg}))
             try:
                 ms = time_calls(call, torch.device("cuda"), warmup=1, repeats=15)[0]
@@ -69,9 +81,10 @@ def tune_cell(layer, batch: int) -> list[dict]:
                 print(f"{family} {tuple(cfg)} failed: {exc}")
                 continue
             rows.append({"layer": layer.name, "batch": batch, "family": family,
-                         "config": list(cfg), "ms": ms})
+                         "config": list(cfg), "nodes_per_cta": nodes, "ms": ms})
         best = min((r for r in rows if r["family"] == family), key=lambda r: r["ms"])
-        print(f"{layer.name} B={batch} {family}: best {best['config']} {best['ms']:.3f} ms")
+        print(f"{layer.name} B={batch} {family}: best {best['config']} nodes "
+              f"{best['nodes_per_cta']} {best['ms']:.3f} ms")
     return rows
 
 
