@@ -113,6 +113,8 @@ def _choose(family: str, batch: int, n: int, p64: int) -> KernelConfig:
     for rule in _rules()[family]:
         if batch > rule.get("max_batch", math.inf) or n > rule.get("max_n", math.inf):
             continue
+        if batch < rule.get("min_batch", 0):
+            continue
         if p64 % rule.get("p64_multiple_of", 1) or n % rule.get("n_multiple_of", 1):
             continue
         return KernelConfig(*rule["config"])
@@ -167,7 +169,7 @@ def default_grad_weight_ksplit(cfg, bpad, cpad, p64, nout, device_index=None, *,
 # A CTA of knn_forward / knn_grad_input_scatter walks several nodes in one pipeline until it
 # has at least this many contraction tiles, so layers with few slots (or channels) per node
 # keep loads in flight across node boundaries instead of paying each CTA's start-up latency.
-MIN_TILES_PER_CTA = 8
+MIN_TILES_PER_CTA = 32  # scripts/tune_tiles.py: 8 nodes beat 4 on conv1 and alexnet layers.0
 MAX_NODES_PER_CTA = 8
 WALKING_MAX_THREADS = 256  # knn_forward walks with <= 8 warps (kWalkNodes in knn_conv.cu)
 
