@@ -175,6 +175,27 @@ def test_grad_input_is_deterministic():
     assert all(torch.equal(runs[0], run) for run in runs[1:])
 
 
+def test_deterministic_mode_refuses_cuda_and_auto_gives_identical_gradients(monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic mode
+    plan, x, weight, bias, grad_y = make_case(4, batch=65, cin=16, cout=40, dtype=torch.float16,
+                                              nin=50, nout=30, k=9, padding=0.1)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.raises(ValueError, match="torch_compact"):
+            knnconv.knn_conv(x, weight, bias, plan, backend="cuda")
+        runs = []
+        for _ in range(2):
+            leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+            y, ran = knnconv.knn_conv_with_backend(*leaves, plan, backend="auto")
+            y.backward(grad_y)
+            runs.append([leaf.grad for leaf in leaves])
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert ran == "torch_compact"
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
 @pytest.mark.parametrize("update", ["in_place", "through_data", "data_assignment"])
 def test_weight_updates_are_seen(update):
     case = make_case(4, batch=20, cin=4, cout=24, dtype=torch.float16, nin=30, nout=12, k=9)
