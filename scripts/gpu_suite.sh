@@ -2,7 +2,10 @@
 # The whole GPU job in one command: install, GPU tests, the per-layer and whole-network
 # benchmarks, compute-sanitizer, the demo and fuzzing (results first, so a run cut short
 # still brings them back).
-#   bash scripts/gpu_suite.sh OUTDIR GEOMETRY_DIR
+#   bash scripts/gpu_suite.sh OUTDIR GEOMETRY_DIR [WHEEL_DIR]
+# WHEEL_DIR: wheels installed with --no-deps before the tests, for a machine without network
+# (fovi's layer and model tests: pip download --no-deps "fovi==2.4.0" trimesh
+# --python-version 3.12 --only-binary=:all: -d WHEEL_DIR; its other imports are common).
 # Results (h200*.json/csv/png, networks.json, demo.png) land in OUTDIR, every stage's log in
 # OUTDIR/logs.tar.gz; each stage's exit status and time are summarised in OUTDIR/summary.txt.
 set -uo pipefail
@@ -23,6 +26,9 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log, remember
 }
 
 stage install 120 python3 -m pip install --no-deps --no-build-isolation -e .
+if [ -n "${3:-}" ]; then
+  stage wheels 120 python3 -m pip install --no-deps --no-index "$3"/*.whl
+fi
 nvidia-smi >"$out/logs/nvidia-smi.txt" 2>&1
 stage tests 300 python3 -m pytest tests -m gpu -q -p no:cacheprovider --durations=12
 stage bench 150 python3 -m knnconv.bench --geometry "$geometry" --out "$out" --dtypes float16 \
