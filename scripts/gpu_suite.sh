@@ -4,8 +4,10 @@
 # still brings them back).
 #   bash scripts/gpu_suite.sh OUTDIR GEOMETRY_DIR [WHEEL_DIR]
 # WHEEL_DIR: wheels installed with --no-deps before the tests, for a machine without network
-# (fovi's layer and model tests: pip download --no-deps "fovi==2.4.0" trimesh
-# --python-version 3.12 --only-binary=:all: -d WHEEL_DIR; its other imports are common).
+# (fovi's layer and model tests: pip download --no-deps "fovi==2.4.0" trimesh hydra-core
+# "omegaconf==2.3.1" --python-version 3.12 --only-binary=:all: -d WHEEL_DIR, and
+# pip wheel --no-deps "antlr4-python3-runtime==4.9.3" -w WHEEL_DIR; its other imports are
+# common).
 # Results (h200*.json/csv/png, networks.json, demo.png) land in OUTDIR, every stage's log in
 # OUTDIR/logs.tar.gz; each stage's exit status and time are summarised in OUTDIR/summary.txt.
 set -uo pipefail
