@@ -46,6 +46,7 @@ stage initcheck 40 compute-sanitizer --tool initcheck --error-exitcode 9 \
   python3 scripts/sanitize_kernels.py
 stage synccheck 40 compute-sanitizer --tool synccheck --error-exitcode 9 \
   python3 scripts/sanitize_kernels.py
+stage neighbourhood 120 python3 scripts/bench_neighbourhood.py "$out/logs/neighbourhood.json"
 stage demo 60 python3 -m knnconv demo --out "$out/demo.png"
 stage profile 60 env KNNCONV_CPROFILE=1 python3 scripts/profile_cells.py "$geometry" \
   rfmult-2:layer4.0.conv2:512 rfmult-2:conv1:2048

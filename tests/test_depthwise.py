@@ -159,3 +159,17 @@ def test_invalid_arguments_are_named(rng, call, error, message):
 
     with pytest.raises(error, match=message):
         call(geometry)
+
+
+def test_backend_choice_is_visible_and_cuda_never_falls_back(rng):
+    geometry = random_geometry(rng, nin=20, nout=6, k=4)
+    layer = KNNDepthwiseConv(3, geometry.knn_indices, geometry.rf_index, nin=20, v=geometry.v)
+    layer(torch.randn(2, 3, 20))
+    assert layer.last_backend == "torch"
+    explicit = KNNDepthwiseConv(3, geometry.knn_indices, geometry.rf_index, nin=20,
+                                v=geometry.v, backend="cuda")
+    with pytest.raises(ValueError, match="backend 'cuda' cannot run this call: needs CUDA"):
+        explicit(torch.randn(2, 3, 20))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        KNNDepthwiseSeparableConv(3, 4, geometry.knn_indices, geometry.rf_index, nin=20,
+                                  v=geometry.v, backend="native")

@@ -159,3 +159,14 @@ def test_invalid_arguments_are_named(rng, call, error, message):
 
     with pytest.raises(error, match=message):
         call(x, knn_indices)
+
+
+def test_backend_choice_is_visible_and_cuda_never_falls_back(rng):
+    geometry = random_geometry(rng, nin=20, nout=6, k=4)
+    pool = KNNPool(geometry.knn_indices, nin=20)
+    pool(torch.randn(2, 3, 20))
+    assert pool.last_backend == "torch" and "backend='auto'" in repr(pool)
+    with pytest.raises(ValueError, match="backend 'cuda' cannot run this call: needs CUDA"):
+        knn_pool(torch.randn(2, 3, 20), geometry.knn_indices, 20, backend="cuda")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        KNNPool(geometry.knn_indices, nin=20, backend="native")

@@ -1,4 +1,4 @@
-"""Depthwise and depthwise-separable KNN convolution, in plain torch ops.
+"""Depthwise and depthwise-separable KNN convolution, in torch ops or native CUDA kernels.
 
 Depthwise: every channel has its own kernel over the V reference-grid cells,
 
@@ -16,7 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .geometry import knn_geometry
-from .neighbours import check_features, gather_neighbours
+from .neighbours import (
+    NativeTableCache,
+    check_backend,
+    check_features,
+    gather_neighbours,
+    resolve_backend,
+)
 from .plan import _as_index_tensor, _check_positive, _check_tables
 
 
@@ -32,9 +38,12 @@ class KNNDepthwiseConv(nn.Module):
     slot_cells: torch.Tensor
 
     def __init__(self, channels: int, knn_indices, rf_index, *, nin: int, v: int,
-                 bias: bool = True) -> None:
+                 bias: bool = True, backend: str = "auto") -> None:
         super().__init__()
         self.channels = _check_positive("channels", channels)
+        self.backend = check_backend(backend)
+        self.last_backend: str | None = None  # which backend ran the last forward
+        self._native_tables = NativeTableCache()
         self.nin = _check_positive("nin", nin)
         self.v = _check_positive("v", v)
         knn_indices = _as_index_tensor("knn_indices", knn_indices).cpu().to(torch.int64)
@@ -52,10 +61,12 @@ class KNNDepthwiseConv(nn.Module):
 
     @classmethod
     def from_coords(cls, channels: int, in_coords, out_coords, k: int, *,
-                    ref_side: int | None = None, bias: bool = True) -> KNNDepthwiseConv:
+                    ref_side: int | None = None, bias: bool = True,
+                    backend: str = "auto") -> KNNDepthwiseConv:
         """Build the layer from 2-D input and output coordinates (see knnconv.geometry)."""
         knn_indices, rf_index, v = knn_geometry(in_coords, out_coords, k, ref_side=ref_side)
-        return cls(channels, knn_indices, rf_index, nin=len(in_coords), v=v, bias=bias)
+        return cls(channels, knn_indices, rf_index, nin=len(in_coords), v=v, bias=bias,
+                   backend=backend)
 
     def reset_parameters(self) -> None:
         # Kaiming-normal over the real fan-in: each output reads K inputs of its channel, not V.
@@ -65,6 +76,10 @@ class KNNDepthwiseConv(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_features(x, self.nin, self.channels)
+        self.last_backend = resolve_backend(self.backend, x, atomics=True)
+        if self.last_backend == "cuda":
+            tables = self._native_tables.get(self.knn_indices, self.nin, self.slot_cells)
+            return _NativeDepthwise.apply(x, self.weight, self.bias, tables, self.nin)
         neighbours = gather_neighbours(x, self.knn_indices, fill=0.0)  # [B, C, K, Nout]
         slot_weights = F.pad(self.weight, (0, 1))[:, self.slot_cells]  # [C, K, Nout]
         y = (neighbours * slot_weights).sum(dim=2)
@@ -73,7 +88,48 @@ class KNNDepthwiseConv(nn.Module):
     def extra_repr(self) -> str:
         k, nout = self.knn_indices.shape
         return (f"{self.channels}, nin={self.nin}, nout={nout}, k={k}, v={self.v}, "
-                f"bias={self.bias is not None}")
+                f"bias={self.bias is not None}, backend={self.backend!r}")
+
+
+class _NativeDepthwise(torch.autograd.Function):
+    """The depthwise convolution on the native kernels, in the dtype torch's own ops would
+    promote x, weight and bias to; dx is a gather over the reversed graph, dW sums per block
+    and adds with fp32 atomics, the bias gradient is a torch sum."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, tables, nin: int):
+        from .ops.cuda import neighbourhood
+
+        dtype = torch.result_type(x, weight)
+        if bias is not None:
+            dtype = torch.promote_types(dtype, bias.dtype)
+        xc, wc = x.to(dtype).contiguous(), weight.to(dtype).contiguous()
+        bc = None if bias is None else bias.to(dtype).contiguous()
+        y = neighbourhood.depthwise_forward(xc, wc, bc, tables.knn, tables.cells, nin)
+        ctx.save_for_backward(xc, wc)
+        ctx.tables, ctx.nin, ctx.compute_dtype = tables, nin, dtype
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        from .ops.cuda import neighbourhood
+
+        xc, wc = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        grad_y = grad_y.to(ctx.compute_dtype).contiguous()
+        tables = ctx.tables
+        grad_x = grad_w = grad_b = None
+        if need_x:
+            grad_x = neighbourhood.depthwise_grad_input(grad_y, wc, tables.reverse, ctx.nin,
+                                                        x_dtype)
+        if need_w:
+            grad_w = neighbourhood.depthwise_grad_weight(xc, grad_y, tables.knn, tables.cells,
+                                                         wc.shape[1]).to(w_dtype)
+        if need_b:
+            grad_b = grad_y.sum(dim=(0, 2), dtype=torch.float32).to(b_dtype)
+        return grad_x, grad_w, grad_b, None, None
 
 
 class KNNDepthwiseSeparableConv(nn.Module):
@@ -85,20 +141,21 @@ class KNNDepthwiseSeparableConv(nn.Module):
     """
 
     def __init__(self, in_channels: int, out_channels: int, knn_indices, rf_index, *, nin: int,
-                 v: int, bias: bool = True) -> None:
+                 v: int, bias: bool = True, backend: str = "auto") -> None:
         super().__init__()
         self.depthwise = KNNDepthwiseConv(in_channels, knn_indices, rf_index, nin=nin, v=v,
-                                          bias=False)
+                                          bias=False, backend=backend)
         self.pointwise = nn.Linear(in_channels, _check_positive("out_channels", out_channels),
                                    bias=bias)
 
     @classmethod
     def from_coords(cls, in_channels: int, out_channels: int, in_coords, out_coords, k: int, *,
-                    ref_side: int | None = None, bias: bool = True) -> KNNDepthwiseSeparableConv:
+                    ref_side: int | None = None, bias: bool = True,
+                    backend: str = "auto") -> KNNDepthwiseSeparableConv:
         """Build the layer from 2-D input and output coordinates (see knnconv.geometry)."""
         knn_indices, rf_index, v = knn_geometry(in_coords, out_coords, k, ref_side=ref_side)
         return cls(in_channels, out_channels, knn_indices, rf_index, nin=len(in_coords), v=v,
-                   bias=bias)
+                   bias=bias, backend=backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # nn.Linear mixes the last dimension, so channels go last and come back.

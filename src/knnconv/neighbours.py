@@ -1,4 +1,5 @@
-"""Per-node neighbour gathering shared by the layers that reduce over the K neighbours in torch.
+"""What the per-channel neighbourhood layers (KNNPool, KNNDepthwiseConv) share: input checks,
+the torch-ops neighbour gathering, and the choice between torch ops and the native kernels.
 
 KNNPool and KNNDepthwiseConv both read, for every output node, the K input features its
 ``knn_indices`` column names, with ``Nin`` marking a padding neighbour. Appending one extra
@@ -8,6 +9,8 @@ nodes that have it as a real neighbour.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,3 +39,77 @@ def gather_neighbours(x: torch.Tensor, knn_indices: torch.Tensor, fill: float) -
     padded = F.pad(x, (0, 1), value=fill)
     # index_select on the flattened table is one gather; its backward is one index_add.
     return padded.index_select(2, knn_indices.reshape(-1)).view(batch, channels, k, nout)
+
+
+# Backends of the per-channel layers (KNNPool, KNNDepthwiseConv): plain torch ops on any
+# device and dtype, or the native kernels of knnconv.ops.cuda.neighbourhood.
+NEIGHBOURHOOD_BACKENDS = ("auto", "torch", "cuda")
+
+
+def check_backend(backend) -> str:
+    if backend not in NEIGHBOURHOOD_BACKENDS:
+        raise ValueError(f"backend must be one of {NEIGHBOURHOOD_BACKENDS}, got {backend!r}")
+    return backend
+
+
+def _native_unsupported(x: torch.Tensor, atomics: bool) -> str | None:
+    if x.device.type != "cuda":
+        return f"needs CUDA tensors, got {x.device.type}"
+    from .ops.cuda.neighbourhood import NATIVE_DTYPES
+
+    if x.dtype not in NATIVE_DTYPES:
+        return f"computes in float16/bfloat16/float32, got {x.dtype}"
+    if torch.compiler.is_compiling():
+        return "is not traceable by torch.compile (backend='auto' uses torch ops there)"
+    if atomics and torch.are_deterministic_algorithms_enabled():
+        return ("its weight gradient accumulates with fp32 atomics, which is not "
+                "deterministic; use backend='torch' under torch.use_deterministic_algorithms")
+    from .ops.registry import get_ops
+
+    return get_ops("cuda").device_reason(x.device.index)
+
+
+def resolve_backend(backend: str, x: torch.Tensor, *, atomics: bool) -> str:
+    """'torch' or 'cuda' for this call: 'auto' takes the native kernels wherever they serve;
+    an explicit 'cuda' that cannot serve raises (never a silent fallback). ``atomics``: the
+    backward accumulates with atomics (refused under deterministic algorithms)."""
+    if backend == "torch":
+        return "torch"
+    reason = _native_unsupported(x, atomics)
+    if backend == "cuda" and reason is not None:
+        raise ValueError(f"backend 'cuda' cannot run this call: {reason}")
+    return "cuda" if reason is None else "torch"
+
+
+@dataclass
+class NativeTables:
+    """A neighbour table as the native kernels read it, on one device."""
+
+    knn: torch.Tensor  # int32 [K, Nout]
+    cells: torch.Tensor | None  # int32 [K, Nout]: each slot's kernel cell (depthwise)
+    reverse: object  # knnconv.ops.cuda.launch.ReverseTables
+    scale: torch.Tensor  # float32 [Nout]: 1 / the number of real neighbours (at least 1)
+
+
+class NativeTableCache:
+    """A layer's NativeTables per (device, table storage): rebuilt when the buffers move."""
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple, NativeTables] = {}
+
+    def get(self, knn_indices: torch.Tensor, nin: int,
+            slot_cells: torch.Tensor | None = None) -> NativeTables:
+        key = (knn_indices.device, knn_indices.data_ptr(), knn_indices._version)
+        tables = self._tables.get(key)
+        if tables is None:
+            from .ops.cuda.launch import reverse_tables
+
+            cells = slot_cells if slot_cells is not None else torch.zeros_like(knn_indices)
+            real = (knn_indices != nin).sum(dim=0).clamp_min(1)
+            tables = NativeTables(
+                knn=knn_indices.to(torch.int32).contiguous(),
+                cells=None if slot_cells is None else slot_cells.to(torch.int32).contiguous(),
+                reverse=reverse_tables(knn_indices, cells.t(), nin),
+                scale=(1.0 / real.to(torch.float32)).contiguous())
+            self._tables = {key: tables}  # one device at a time; a move replaces it
+        return tables

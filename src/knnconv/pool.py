@@ -12,22 +12,67 @@ import torch
 from torch import nn
 
 from .geometry import knn_geometry
-from .neighbours import check_features, gather_neighbours
+from .neighbours import (
+    NativeTableCache,
+    check_backend,
+    check_features,
+    gather_neighbours,
+    resolve_backend,
+)
 from .plan import _as_index_tensor, _check_positive, check_knn_indices
 
 POOL_MODES = ("max", "avg", "sum")
 
 
-def knn_pool(x: torch.Tensor, knn_indices, nin: int, mode: str = "max") -> torch.Tensor:
+def knn_pool(x: torch.Tensor, knn_indices, nin: int, mode: str = "max",
+             backend: str = "auto") -> torch.Tensor:
     """Pool x [B, C, Nin] over each output node's neighbours; returns [B, C, Nout].
 
     knn_indices: integer [K, Nout], entries in [0, nin] (nin = padding neighbour). Gradients
-    flow like ``torch.amax`` (shared equally between tied maxima) in ``max`` mode.
+    flow like ``torch.amax`` (shared equally between tied maxima) in ``max`` mode. backend:
+    'torch', 'cuda' (native kernels: float16/bfloat16/float32 on an sm_80+ GPU with CuPy) or
+    'auto' (cuda where it serves). The KNNPool layer caches the native tables; this function
+    builds them per call.
     """
     nin = _check_positive("nin", nin)
     knn_indices = checked_knn_indices(knn_indices, nin)
     check_features(x, nin)
-    return pool_neighbours(x, knn_indices.to(x.device), nin, check_mode(mode))
+    mode = check_mode(mode)
+    return _pool(x, knn_indices.to(x.device), nin, mode, check_backend(backend),
+                 NativeTableCache())[0]
+
+
+def _pool(x, knn_indices, nin: int, mode: str, backend: str, cache: NativeTableCache):
+    """(y, backend that ran) on validated arguments."""
+    if resolve_backend(backend, x, atomics=False) == "torch":
+        return pool_neighbours(x, knn_indices, nin, mode), "torch"
+    tables = cache.get(knn_indices, nin)
+    return _NativePool.apply(x, tables, nin, mode), "cuda"
+
+
+class _NativePool(torch.autograd.Function):
+    """Pooling on the native kernels; dx is a gather over the reversed graph (deterministic)."""
+
+    @staticmethod
+    def forward(ctx, x, tables, nin: int, mode: str):
+        from .ops.cuda import neighbourhood
+
+        x = x.contiguous()
+        y, ties = neighbourhood.pool_forward(x, tables.knn, nin, mode)
+        ctx.tables, ctx.mode, ctx.nin, ctx.dtype = tables, mode, nin, x.dtype
+        if mode == "max":  # the max and its tie count say which inputs get gradient
+            ctx.save_for_backward(x, y, ties)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        from .ops.cuda import neighbourhood
+
+        x, y, ties = ctx.saved_tensors if ctx.mode == "max" else (None, None, None)
+        grad_y = grad_y.to(ctx.dtype).contiguous()
+        dx = neighbourhood.pool_backward(grad_y, x, y, ties, ctx.tables.scale,
+                                         ctx.tables.reverse, ctx.mode, ctx.nin)
+        return dx, None, None, None
 
 
 def checked_knn_indices(knn_indices, nin: int) -> torch.Tensor:
@@ -68,23 +113,31 @@ class KNNPool(nn.Module):
 
     knn_indices: torch.Tensor
 
-    def __init__(self, knn_indices, *, nin: int, mode: str = "max") -> None:
+    def __init__(self, knn_indices, *, nin: int, mode: str = "max",
+                 backend: str = "auto") -> None:
         super().__init__()
         self.nin = _check_positive("nin", nin)
         self.mode = check_mode(mode)
+        self.backend = check_backend(backend)
+        self.last_backend: str | None = None  # which backend ran the last forward
+        self._native_tables = NativeTableCache()
         self.register_buffer("knn_indices", checked_knn_indices(knn_indices, self.nin),
                              persistent=False)
 
     @classmethod
-    def from_coords(cls, in_coords, out_coords, k: int, *, mode: str = "max") -> KNNPool:
+    def from_coords(cls, in_coords, out_coords, k: int, *, mode: str = "max",
+                    backend: str = "auto") -> KNNPool:
         """Pool each output point over its ``k`` nearest input points (see knnconv.geometry)."""
         knn_indices, _, _ = knn_geometry(in_coords, out_coords, k)
-        return cls(knn_indices, nin=len(in_coords), mode=mode)
+        return cls(knn_indices, nin=len(in_coords), mode=mode, backend=backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_features(x, self.nin)
-        return pool_neighbours(x, self.knn_indices, self.nin, self.mode)
+        y, self.last_backend = _pool(x, self.knn_indices, self.nin, self.mode, self.backend,
+                                     self._native_tables)
+        return y
 
     def extra_repr(self) -> str:
         k, nout = self.knn_indices.shape
-        return f"nin={self.nin}, nout={nout}, k={k}, mode={self.mode!r}"
+        return (f"nin={self.nin}, nout={nout}, k={k}, mode={self.mode!r}, "
+                f"backend={self.backend!r}")

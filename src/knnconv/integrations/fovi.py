@@ -54,7 +54,6 @@ except ImportError as error:
 _FORWARD_PATH = ("forward", "_pad_and_gather_knns", "_apply_local_rf", "_mask_invalid_outputs")
 
 # knnconv's pooling runs as plain torch ops; this is the ``last_backend`` of a routed pooling.
-POOL_BACKEND = "torch"
 
 
 class _Unroutable(Exception):
@@ -214,10 +213,9 @@ class _DepthwiseSeparableRouter(_DepthwiseRouter):
 
 
 class _PoolRouter(_Router):
-    """fovi's KNNPoolingLayer: knnconv's KNNPool over the layer's table, in the layer's mode.
-
-    Pooling has one implementation, so ``backend`` does not apply to it.
-    """
+    """fovi's KNNPoolingLayer: knnconv's KNNPool over the layer's table, in the layer's mode
+    (backend 'auto': the native kernels where they serve; ``backend`` names the convolution
+    backends and does not apply to pooling)."""
 
     def __init__(self, layer: nn.Module, backend: str) -> None:
         super().__init__(layer)
@@ -236,8 +234,9 @@ class _PoolRouter(_Router):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.pool.knn_indices.device != x.device:
             self.pool.to(x.device)
-        self.layer.last_backend = POOL_BACKEND
-        return self.pool(x)
+        y = self.pool(x)
+        self.layer.last_backend = self.pool.last_backend
+        return y
 
 
 def _routers() -> dict[type, type[_Router]]:

@@ -10,8 +10,15 @@ import subprocess
 import pytest
 import torch
 
-from knnconv.ops.cuda.build import KERNEL_DIR, KERNEL_SOURCE, kernel_name, transpose_name
+from knnconv.ops.cuda.build import (
+    KERNEL_DIR,
+    KERNEL_SOURCE,
+    kernel_name,
+    neighbourhood_name,
+    transpose_name,
+)
 from knnconv.ops.cuda.configs import FAMILIES, KernelConfig, _rules, check_config
+from knnconv.ops.cuda.neighbourhood import POOL_MODE_CODES
 
 ARCHITECTURES = ("sm_80", "sm_90", "sm_120")
 NVCC = shutil.which("nvcc")
@@ -26,6 +33,15 @@ def default_instantiations() -> list[str]:
                 names.add(kernel_name(family, dtype, cfg))
     floats = (torch.float32, torch.float16, torch.bfloat16)
     names.update(transpose_name(source, target) for source in floats for target in floats)
+    for dtype in floats:  # the pooling / depthwise kernels, in every dtype they serve
+        names.update(neighbourhood_name("knn_pool_forward", dtype, mode=mode)
+                     for mode in POOL_MODE_CODES.values())
+        names.update(neighbourhood_name("knn_pool_backward", dtype, dtype, mode)
+                     for mode in POOL_MODE_CODES.values())
+        names.add(neighbourhood_name("knn_depthwise_forward", dtype))
+        names.add(neighbourhood_name("knn_depthwise_grad_weight", dtype))
+        names.update(neighbourhood_name("knn_depthwise_grad_input", dtype, grad)
+                     for grad in floats)
     return sorted(names)
 
 

@@ -117,7 +117,8 @@ class CudaOps(KNNConvOps):
         self._device_reasons: dict[int, str | None] = {}
         self._lock = threading.Lock()
 
-    def _device_reason(self, index: int) -> str | None:
+    def device_reason(self, index: int) -> str | None:
+        """Why the kernels cannot run on device ``index`` (CuPy, headers, NVRTC, capability)."""
         if index not in self._device_reasons:
             reason = None
             try:
@@ -144,7 +145,7 @@ class CudaOps(KNNConvOps):
                     "deterministic; use backend='torch_compact' under "
                     "torch.use_deterministic_algorithms")
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return self._device_reason(index)
+        return self.device_reason(index)
 
     def _first_use(self, key: tuple) -> bool:
         if key in self._verified:

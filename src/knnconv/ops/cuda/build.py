@@ -8,6 +8,7 @@ place searched when they are missing.
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import shutil
 import sys
@@ -129,6 +130,27 @@ class CompiledKernel:
             self.dynamic_shared_limit = size
 
 
+@lru_cache(maxsize=1)
+def kernel_code() -> str:
+    """knn_conv.cu headed by a digest of every kernel file: CuPy's on-disk cache keys on the
+    code string, and the headers it includes would otherwise not take part."""
+    digest = hashlib.sha256()
+    for path in sorted(KERNEL_DIR.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    return f"// kernel files {digest.hexdigest()}\n" + KERNEL_SOURCE.read_text()
+
+
+def neighbourhood_name(kernel: str, dtype: torch.dtype, grad_dtype: torch.dtype | None = None,
+                       mode: int | None = None) -> str:
+    """The NVRTC name expression of a pooling / depthwise kernel (knn_neighbourhood.cuh)."""
+    arguments = [SCALAR_TYPES[dtype]]
+    if grad_dtype is not None:
+        arguments.append(SCALAR_TYPES[grad_dtype])
+    if mode is not None:
+        arguments.append(str(mode))
+    return f"knnconv::{kernel}<{', '.join(arguments)}>"
+
+
 def get_kernel(name: str, device_index: int) -> CompiledKernel:
     """The compiled kernel named by an NVRTC name expression, on one device, built once.
 
@@ -144,7 +166,7 @@ def get_kernel(name: str, device_index: int) -> CompiledKernel:
         if function is None:
             with cupy.cuda.Device(device_index):
                 module = cupy.RawModule(
-                    code=KERNEL_SOURCE.read_text(),
+                    code=kernel_code(),
                     options=("--std=c++17", f"-I{KERNEL_DIR}", f"-I{cuda_include_dir()}"),
                     name_expressions=[name],
                 )

@@ -11,6 +11,7 @@
 // Each gathered row is contiguous along the axis that is not gathered, so every tile is
 // staged as whole 16-byte chunks.
 #include "knn_common.cuh"
+#include "knn_neighbourhood.cuh"
 
 namespace knnconv {
 

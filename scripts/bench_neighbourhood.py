@@ -1,0 +1,76 @@
+"""Time KNN pooling and depthwise KNN convolution, torch ops against the native kernels, on a
+foveated layer of the built-in stack (GPU). Medians of CUDA-event-timed calls as a user sees
+them; writes OUT.json.
+
+    python scripts/bench_neighbourhood.py OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from knnconv import KNNDepthwiseConv, KNNPool
+from knnconv.bench import time_calls
+from knnconv.geometry import foveated_stack, knn_geometry
+
+CHANNELS = 64
+BATCHES = (128, 512)
+K = 9
+
+
+def layers(backend: str, knn, rf, nin: int, v: int) -> dict:
+    return {
+        "pool_max": KNNPool(knn, nin=nin, mode="max", backend=backend),
+        "pool_avg": KNNPool(knn, nin=nin, mode="avg", backend=backend),
+        "depthwise": KNNDepthwiseConv(CHANNELS, knn, rf, nin=nin, v=v, backend=backend),
+    }
+
+
+def time_layer(layer, x: torch.Tensor, device: torch.device) -> dict[str, float]:
+    """Median ms of the forward (no grad) and of forward + backward (x, weight, bias)."""
+    with torch.no_grad():
+        grad = torch.randn_like(layer(x))
+
+    def forward():
+        with torch.no_grad():
+            return layer(x)
+
+    def train():
+        layer(x).backward(grad)
+
+    def reset():
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+
+    return {"forward": time_calls(forward, device, warmup=3, repeats=20)[0],
+            "train": time_calls(train, device, warmup=3, repeats=20, reset=reset)[0]}
+
+
+def main(out: str) -> None:
+    device = torch.device("cuda")
+    sensor, middle = foveated_stack()[:2]
+    knn, rf, v = knn_geometry(sensor, middle, K)
+    rows = []
+    for batch in BATCHES:
+        x = torch.randn(batch, CHANNELS, len(sensor), device=device, dtype=torch.float16,
+                        requires_grad=True)
+        for backend in ("torch", "cuda"):
+            for name, layer in layers(backend, knn, rf, len(sensor), v).items():
+                layer = layer.to(device, torch.float16)
+                for mode, ms in time_layer(layer, x, device).items():
+                    rows.append({"op": name, "batch": batch, "backend": layer.last_backend,
+                                 "mode": mode, "median_ms": ms, "channels": CHANNELS,
+                                 "nin": len(sensor), "nout": len(middle), "k": K, "v": v,
+                                 "dtype": "float16"})
+                    print(f"{name:<10} B={batch:<4} {layer.last_backend:<6} {mode:<7} "
+                          f"{ms:8.3f} ms", flush=True)
+    with open(out, "w") as handle:
+        json.dump({"device": torch.cuda.get_device_name(device), "rows": rows}, handle,
+                  indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
