@@ -17,7 +17,6 @@ POOL_MODE_CODES = {"max": 0, "avg": 1, "sum": 2}
 NATIVE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 THREADS = 256
 MAX_GRID_Y = 65535
-DEPTHWISE_NODES_PER_BLOCK = 32
 
 
 def _run(name: str, device: torch.device, extent: int, rows: int, args: tuple, *,
@@ -89,10 +88,11 @@ def depthwise_grad_weight(x: torch.Tensor, grad_y: torch.Tensor, knn: torch.Tens
     batch, channels, nin = x.shape
     k, nout = knn.shape
     dw = torch.zeros(channels, v, dtype=torch.float32, device=x.device)
-    grid = (-(-nout // DEPTHWISE_NODES_PER_BLOCK), channels, 1)
+    nodes_per_block = max(1, THREADS // k)  # one thread per (node, slot)
+    grid = (-(-nout // nodes_per_block), channels, 1)
     _run(neighbourhood_name("knn_depthwise_grad_weight", x.dtype), x.device, nout,
          batch * channels,
          (x.data_ptr(), grad_y.data_ptr(), knn.data_ptr(), cells.data_ptr(), dw.data_ptr(),
-          batch, channels, nin, nout, k, v, DEPTHWISE_NODES_PER_BLOCK),
+          batch, channels, nin, nout, k, v, nodes_per_block),
          shared=4 * v, grid=grid)
     return dw

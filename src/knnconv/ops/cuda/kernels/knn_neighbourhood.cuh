@@ -131,9 +131,10 @@ __global__ void knn_depthwise_grad_input(const T* __restrict__ gy, const T* __re
   }
 }
 
-// dw[c, u] += sum over b, the block's nodes n and their real slots k in cell u of
-// x[b, c, knn[k, n]] * gy[b, c, n]: per-block sums in shared memory (V floats), then one fp32
-// atomic per cell and block. Grid: (node chunks, channels); dw must be zeroed.
+// dw[c, u] += sum over the block's nodes n, their real slots k in cell u and every b of
+// x[b, c, knn[k, n]] * gy[b, c, n]: one thread per (node, slot) sums over the batch in a
+// register, then adds into a shared per-cell sum (V floats), and the block adds those with
+// one fp32 atomic per cell. Grid: (node chunks, channels); dw must be zeroed.
 template <typename T>
 __global__ void knn_depthwise_grad_weight(const T* __restrict__ x, const T* __restrict__ gy,
                                           const int* __restrict__ knn,
@@ -146,15 +147,19 @@ __global__ void knn_depthwise_grad_weight(const T* __restrict__ x, const T* __re
   const int c = blockIdx.y;
   const int first = blockIdx.x * nodes_per_block;
   const int nodes = min(nodes_per_block, nout - first);
-  for (int e = threadIdx.x; e < batch * nodes; e += blockDim.x) {
-    const int b = e / nodes, n = first + e % nodes;
-    const size_t row = static_cast<size_t>(b) * channels + c;
-    const float g = to_float(gy[row * nout + n]);
-    for (int s = 0; s < k; ++s) {
-      const int m = knn[s * nout + n];
-      if (m == nin) continue;
-      atomicAdd(cell_sums + cells[s * nout + n], to_float(x[row * nin + m]) * g);
+  const size_t x_stride = static_cast<size_t>(channels) * nin;
+  const size_t gy_stride = static_cast<size_t>(channels) * nout;
+  for (int e = threadIdx.x; e < nodes * k; e += blockDim.x) {
+    const int n = first + e / k, s = e % k;
+    const int m = knn[s * nout + n];
+    if (m == nin) continue;
+    const T* x_at = x + static_cast<size_t>(c) * nin + m;
+    const T* gy_at = gy + static_cast<size_t>(c) * nout + n;
+    float total = 0.0f;
+    for (int b = 0; b < batch; ++b) {
+      total += to_float(x_at[b * x_stride]) * to_float(gy_at[b * gy_stride]);
     }
+    atomicAdd(cell_sums + cells[s * nout + n], total);
   }
   __syncthreads();
   for (int u = threadIdx.x; u < v; u += blockDim.x) {
