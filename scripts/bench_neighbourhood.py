@@ -1,8 +1,9 @@
 """Time KNN pooling and depthwise KNN convolution, torch ops against the native kernels, on a
 foveated layer of the built-in stack (GPU). Medians of CUDA-event-timed calls as a user sees
-them; writes OUT.json.
+them; writes OUT.json and a bar chart OUT.png.
 
     python scripts/bench_neighbourhood.py OUT.json
+    python scripts/bench_neighbourhood.py --plot OUT.json   # redraw OUT.png from OUT.json
 """
 
 from __future__ import annotations
@@ -67,10 +68,38 @@ def main(out: str) -> None:
                                  "dtype": "float16"})
                     print(f"{name:<10} B={batch:<4} {layer.last_backend:<6} {mode:<7} "
                           f"{ms:8.3f} ms", flush=True)
+    result = {"device": torch.cuda.get_device_name(device), "rows": rows}
     with open(out, "w") as handle:
-        json.dump({"device": torch.cuda.get_device_name(device), "rows": rows}, handle,
-                  indent=1)
+        json.dump(result, handle, indent=1)
+    plot(result, out.removesuffix(".json") + ".png")
+
+
+def plot(result: dict, path: str) -> None:
+    """Speedup of the native kernels over torch ops, per op, batch and mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    times = {(r["op"], r["batch"], r["mode"], r["backend"]): r["median_ms"]
+             for r in result["rows"]}
+    cells = sorted({key[:3] for key in times})
+    speedups = [times[(*cell, "torch")] / times[(*cell, "cuda")] for cell in cells]
+    figure, axis = plt.subplots(figsize=(12, 4))
+    axis.bar(range(len(cells)), speedups, color=["C0" if c[2] == "forward" else "C1"
+                                                 for c in cells])
+    axis.set_xticks(range(len(cells)), [f"{op}\nB={b} {mode}" for op, b, mode in cells],
+                    fontsize=7)
+    axis.axhline(1.0, color="grey", linewidth=0.8)
+    axis.set_ylabel("torch ops time / native time")
+    axis.set_title(f"KNN pooling and depthwise conv, fp16, {result['device']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "--plot":
+        with open(sys.argv[2]) as source:
+            plot(json.load(source), sys.argv[2].removesuffix(".json") + ".png")
+    else:
+        main(sys.argv[1])
