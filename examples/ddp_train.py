@@ -88,6 +88,9 @@ def main() -> None:
         print(f"world {world}: backend {layer.last_backend}, loss {losses[0]:.4f} -> "
               f"{losses[-1]:.4f}")
     if distributed:
+        # Every rank reaches here before any tears the group down: gloo ranks that leave while
+        # a peer still talks to them can abort at exit.
+        dist.barrier()
         dist.destroy_process_group()
 
 
