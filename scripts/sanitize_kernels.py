@@ -1,11 +1,13 @@
-"""Run every kernel family once per edge shape, for compute-sanitizer (memcheck, racecheck,
-initcheck, synccheck). Exits non-zero if any result disagrees with the float64 reference.
+"""Run every kernel family (the convolution's and the pooling / depthwise ones) once per edge
+shape, for compute-sanitizer (memcheck, racecheck, initcheck, synccheck). Exits non-zero if
+any result disagrees with the float64 reference.
 
     compute-sanitizer --tool memcheck python scripts/sanitize_kernels.py
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 
 import torch
@@ -46,12 +48,42 @@ def run_case(batch, cin, cout, nin, nout, k, v, padding, dtype, generator) -> fl
                for a, b in ((y, y_ref), (dx, dx_ref), (dx_scattered, dx_ref), (dw, dw_ref)))
 
 
+def run_neighbourhood_case(batch, cin, cout, nin, nout, k, v, padding, dtype,
+                           generator) -> float:
+    """The pooling (every mode) and depthwise kernels, forward and backward, on one shape."""
+    knn = torch.randint(0, nin, (k, nout), generator=generator)
+    knn[torch.rand(k, nout, generator=generator) < padding] = nin
+    knn[min(k, nin):] = nin
+    rf = torch.randint(0, v, (nout, k), generator=generator)
+    x = torch.randn(batch, cin, nin, generator=generator).to(dtype)
+    grad_y = torch.randn(batch, cin, nout, generator=generator).to(dtype)
+    errors = []
+    layers = [knnconv.KNNPool(knn, nin=nin, mode=mode) for mode in ("max", "avg", "sum")]
+    layers.append(knnconv.KNNDepthwiseConv(cin, knn, rf, nin=nin, v=v))
+    for layer in layers:
+        reference = copy.deepcopy(layer).double()
+        reference.backend = "torch"
+        native = layer.to("cuda", dtype)
+        native.backend = "cuda"
+        results = []
+        for module, inputs, grad in ((native, x.cuda(), grad_y.cuda()),
+                                     (reference, x.double(), grad_y.double())):
+            inputs = inputs.requires_grad_()
+            module(inputs).backward(grad)
+            results.append([module(inputs.detach()).detach(), inputs.grad,
+                            *(p.grad for p in module.parameters())])
+        errors += [float((a.double().cpu() - b).norm() / b.norm().clamp_min(1e-30))
+                   for a, b in zip(*results, strict=True)]
+    return max(errors)
+
+
 def main() -> int:
     generator = torch.Generator().manual_seed(0)
     worst = 0.0
     for dtype in (torch.float16, torch.bfloat16):
         for shape in EDGE_SHAPES:
-            error = run_case(*shape, dtype, generator)
+            error = max(run_case(*shape, dtype, generator),
+                        run_neighbourhood_case(*shape, dtype, generator))
             worst = max(worst, error)
             print(f"{str(dtype):15} {shape}: max relative error {error:.2e}")
     torch.cuda.synchronize()
