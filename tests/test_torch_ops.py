@@ -7,6 +7,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import knnconv
+import knnconv.torch_ops  # noqa: F401  (registers the ops this module checks)
 from conftest import CPU_BACKENDS, random_geometry, rel_err
 
 
@@ -61,6 +62,7 @@ def test_opcheck(backend, rng):
     forward_args = (x, weight, bias, plan.handle, backend, torch.float32, True)
     torch.library.opcheck(torch.ops.knnconv.forward.default, forward_args)
     y, saved = torch.ops.knnconv.forward(*forward_args)
-    torch.library.opcheck(torch.ops.knnconv.backward.default,
-                          (torch.randn_like(y), x, saved, weight, plan.handle, backend,
-                           torch.float32, True, True))
+    for bias_dtype in (torch.float32, None):  # with and without the bias gradient
+        torch.library.opcheck(torch.ops.knnconv.backward.default,
+                              (torch.randn_like(y), x, saved, weight, plan.handle, backend,
+                               torch.float32, True, True, bias_dtype))

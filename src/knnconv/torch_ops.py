@@ -65,23 +65,29 @@ def _(x, weight, bias, plan, backend, dtype, keep):
 @torch.library.custom_op("knnconv::backward", mutates_args=())
 def backward_op(grad_y: torch.Tensor, x: torch.Tensor, saved: torch.Tensor,
                 weight: torch.Tensor, plan: int, backend: str, dtype: torch.dtype,
-                need_x: bool, need_w: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad_x, grad_weight) in the dtypes of x and weight; empty where not needed."""
+                need_x: bool, need_w: bool, bias_dtype: torch.dtype | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_x, grad_weight, grad_bias) in the dtypes of x, weight and the bias (bias_dtype;
+    None when its gradient is not needed); empty where not needed."""
     from .functional import backward_impl
 
     layer = _plan(plan)
     saved_x = _unpack_saved(saved, x, dtype, layer) if need_w else None
-    grad_x, grad_w, _ = backward_impl(layer, get_ops(backend), grad_y, saved_x, weight,
-                                      (need_x, need_w, False), (x.dtype, weight.dtype, None),
-                                      dtype)
+    need_b = bias_dtype is not None
+    grad_x, grad_w, grad_b = backward_impl(layer, get_ops(backend), grad_y, saved_x, weight,
+                                           (need_x, need_w, need_b),
+                                           (x.dtype, weight.dtype, bias_dtype), dtype)
     return (grad_x if need_x else x.new_empty(0),
-            grad_w if need_w else weight.new_empty(0))
+            grad_w if need_w else weight.new_empty(0),
+            grad_b if need_b else weight.new_empty(0))
 
 
 @backward_op.register_fake
-def _(grad_y, x, saved, weight, plan, backend, dtype, need_x, need_w):
+def _(grad_y, x, saved, weight, plan, backend, dtype, need_x, need_w, bias_dtype):
     return (torch.empty_like(x) if need_x else x.new_empty(0),
-            torch.empty_like(weight) if need_w else weight.new_empty(0))
+            torch.empty_like(weight) if need_w else weight.new_empty(0),
+            weight.new_empty(_plan(plan).cout, dtype=bias_dtype) if bias_dtype is not None
+            else weight.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
@@ -94,14 +100,11 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_y, _grad_saved):
     x, weight, saved = ctx.saved_tensors
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
-    grad_x, grad_w = backward_op(grad_y, x, saved, weight, ctx.plan, ctx.backend, ctx.dtype,
-                                 need_x, need_w)
-    grad_b = None
-    if need_b:
-        acc = torch.float64 if ctx.dtype == torch.float64 else torch.float32
-        grad_b = grad_y.to(ctx.dtype).sum(dim=(0, 2), dtype=acc).to(ctx.bias_dtype)
-    return (grad_x if need_x else None, grad_w if need_w else None, grad_b, None, None, None,
-            None)
+    grad_x, grad_w, grad_b = backward_op(grad_y, x, saved, weight, ctx.plan, ctx.backend,
+                                         ctx.dtype, need_x, need_w,
+                                         ctx.bias_dtype if need_b else None)
+    return (grad_x if need_x else None, grad_w if need_w else None,
+            grad_b if need_b else None, None, None, None, None)
 
 
 forward_op.register_autograd(_backward, setup_context=_setup_context)
