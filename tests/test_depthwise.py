@@ -173,3 +173,14 @@ def test_backend_choice_is_visible_and_cuda_never_falls_back(rng):
     with pytest.raises(ValueError, match="backend must be one of"):
         KNNDepthwiseSeparableConv(3, 4, geometry.knn_indices, geometry.rf_index, nin=20,
                                   v=geometry.v, backend="native")
+
+
+def test_more_kernel_cells_than_the_native_weight_gradient_holds_is_refused():
+    knn_indices = torch.tensor([[0, 1]])
+    rf_index = torch.tensor([[0], [13_000]])
+    layer = KNNDepthwiseConv(2, knn_indices, rf_index, nin=2, v=13_001, backend="cuda")
+    with pytest.raises(ValueError, match="13001 kernel cells"):
+        layer(torch.randn(1, 2, 2))
+    layer.backend = "auto"
+    layer(torch.randn(1, 2, 2))
+    assert layer.last_backend == "torch"

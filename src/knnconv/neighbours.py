@@ -52,7 +52,15 @@ def check_backend(backend) -> str:
     return backend
 
 
-def _native_unsupported(x: torch.Tensor, atomics: bool) -> str | None:
+# knn_depthwise_grad_weight sums a block's contributions per kernel cell in 48 KiB of shared
+# memory (one float per cell).
+MAX_NATIVE_CELLS = 48 * 1024 // 4
+
+
+def _native_unsupported(x: torch.Tensor, atomics: bool, cells: int | None) -> str | None:
+    if cells is not None and cells > MAX_NATIVE_CELLS:
+        return (f"has V = {cells} kernel cells; its weight gradient holds at most "
+                f"{MAX_NATIVE_CELLS} in shared memory")
     if x.device.type != "cuda":
         return f"needs CUDA tensors, got {x.device.type}"
     from .ops.cuda.neighbourhood import NATIVE_DTYPES
@@ -69,13 +77,15 @@ def _native_unsupported(x: torch.Tensor, atomics: bool) -> str | None:
     return get_ops("cuda").device_reason(x.device.index)
 
 
-def resolve_backend(backend: str, x: torch.Tensor, *, atomics: bool) -> str:
+def resolve_backend(backend: str, x: torch.Tensor, *, atomics: bool,
+                    cells: int | None = None) -> str:
     """'torch' or 'cuda' for this call: 'auto' takes the native kernels wherever they serve;
     an explicit 'cuda' that cannot serve raises (never a silent fallback). ``atomics``: the
-    backward accumulates with atomics (refused under deterministic algorithms)."""
+    backward accumulates with atomics (refused under deterministic algorithms); ``cells``:
+    the depthwise kernel's V."""
     if backend == "torch":
         return "torch"
-    reason = _native_unsupported(x, atomics)
+    reason = _native_unsupported(x, atomics, cells)
     if backend == "cuda" and reason is not None:
         raise ValueError(f"backend 'cuda' cannot run this call: {reason}")
     return "cuda" if reason is None else "torch"
