@@ -313,7 +313,6 @@ class ForwardLaunch:
     def __init__(self, *, batch: int, cin: int, nin: int, cout: int, nout: int, q: int,
                  p64: int, dtype: torch.dtype, device: torch.device,
                  config: KernelConfig | None = None,
-                 input_dtype: torch.dtype | None = None,
                  nodes_per_cta: int | None = None) -> None:
         self.cfg = cfg = check_config(
             "forward", config or default_config(batch, cout, p64, dtype, nout), p64=p64,
@@ -326,7 +325,7 @@ class ForwardLaunch:
         self.cout, self.nout, self.p64, self.dtype = cout, nout, p64, dtype
         self.weight_layout = _weight_transposed(cout, q, self.cpad, dtype, dtype, device.index)
         wt_bytes = q * self.cpad * torch.empty((), dtype=dtype).element_size()
-        self.input_layout = _InputLayout(batch, cin, nin, bpad, input_dtype or dtype, dtype,
+        self.input_layout = _InputLayout(batch, cin, nin, bpad, dtype, dtype,
                                          device.index, spare_bytes=wt_bytes)
         self.gemm = _Gemm("forward", cfg, dtype, device.index,
                           (-(-nout // self.nodes_per_cta), *grid_yz))
