@@ -23,11 +23,17 @@ EDGE_SHAPES = [  # (batch, cin, cout, nin, nout, k, v, padding)
 ]
 
 
-def run_case(batch, cin, cout, nin, nout, k, v, padding, dtype, generator) -> float:
+def random_tables(nin, nout, k, v, padding, generator):
+    """knn [K, Nout] with the given padding fraction (and every slot past Nin padded), and
+    rf [Nout, K]."""
     knn = torch.randint(0, nin, (k, nout), generator=generator)
     knn[torch.rand(k, nout, generator=generator) < padding] = nin
     knn[min(k, nin):] = nin
-    rf = torch.randint(0, v, (nout, k), generator=generator)
+    return knn, torch.randint(0, v, (nout, k), generator=generator)
+
+
+def run_case(batch, cin, cout, nin, nout, k, v, padding, dtype, generator) -> float:
+    knn, rf = random_tables(nin, nout, k, v, padding, generator)
     plan = knnconv.make_plan(knn, rf, nin=nin, v=v, cin=cin, cout=cout)
     tables = plan.on("cuda")
     x = torch.randn(batch, cin, nin, generator=generator).to("cuda", dtype)
@@ -51,10 +57,7 @@ def run_case(batch, cin, cout, nin, nout, k, v, padding, dtype, generator) -> fl
 def run_neighbourhood_case(batch, cin, cout, nin, nout, k, v, padding, dtype,
                            generator) -> float:
     """The pooling (every mode) and depthwise kernels, forward and backward, on one shape."""
-    knn = torch.randint(0, nin, (k, nout), generator=generator)
-    knn[torch.rand(k, nout, generator=generator) < padding] = nin
-    knn[min(k, nin):] = nin
-    rf = torch.randint(0, v, (nout, k), generator=generator)
+    knn, rf = random_tables(nin, nout, k, v, padding, generator)
     x = torch.randn(batch, cin, nin, generator=generator).to(dtype)
     grad_y = torch.randn(batch, cin, nout, generator=generator).to(dtype)
     errors = []

@@ -73,6 +73,13 @@ EDGE_GEOMETRIES = {
 }
 
 
+def with_all_padding_node(geometry: Geometry) -> torch.Tensor:
+    """The geometry's table with its last node's neighbours all replaced by padding."""
+    knn_indices = geometry.knn_indices.clone()
+    knn_indices[:, -1] = geometry.nin
+    return knn_indices
+
+
 @pytest.fixture
 def rng(request) -> torch.Generator:
     """A generator seeded from the test id: reproducible per test, different across tests."""

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import random_geometry
+from conftest import random_geometry, with_all_padding_node
 from knnconv import KNNPool, knn_pool
 from knnconv.geometry import foveated_stack, knn_geometry
 
@@ -30,13 +30,6 @@ def oracle_pool(x, knn_indices, nin, mode):
         else:
             y[:, :, node] = values.sum(dim=2) / len(real)
     return y
-
-
-def with_all_padding_node(geometry):
-    """The geometry's table with its last node's neighbours all replaced by padding."""
-    knn_indices = geometry.knn_indices.clone()
-    knn_indices[:, -1] = geometry.nin
-    return knn_indices
 
 
 @pytest.mark.parametrize("mode", MODES)

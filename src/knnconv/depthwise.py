@@ -21,7 +21,7 @@ from .neighbours import (
     check_backend,
     check_features,
     gather_neighbours,
-    resolve_backend,
+    resolve_neighbourhood_backend,
 )
 from .plan import _as_index_tensor, _check_positive, _check_tables
 
@@ -76,7 +76,8 @@ class KNNDepthwiseConv(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_features(x, self.nin, self.channels)
-        self.last_backend = resolve_backend(self.backend, x, atomics=True, cells=self.v)
+        self.last_backend = resolve_neighbourhood_backend(self.backend, x, atomics=True,
+                                                          cells=self.v)
         if self.last_backend == "cuda":
             tables = self._native_tables.get(self.knn_indices, self.nin, self.slot_cells)
             return _NativeDepthwise.apply(x, self.weight, self.bias, tables, self.nin)

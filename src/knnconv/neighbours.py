@@ -77,7 +77,7 @@ def _native_unsupported(x: torch.Tensor, atomics: bool, cells: int | None) -> st
     return get_ops("cuda").device_reason(x.device.index)
 
 
-def resolve_backend(backend: str, x: torch.Tensor, *, atomics: bool,
+def resolve_neighbourhood_backend(backend: str, x: torch.Tensor, *, atomics: bool,
                     cells: int | None = None) -> str:
     """'torch' or 'cuda' for this call: 'auto' takes the native kernels wherever they serve;
     an explicit 'cuda' that cannot serve raises (never a silent fallback). ``atomics``: the

@@ -17,7 +17,7 @@ from .neighbours import (
     check_backend,
     check_features,
     gather_neighbours,
-    resolve_backend,
+    resolve_neighbourhood_backend,
 )
 from .plan import _as_index_tensor, _check_positive, check_knn_indices
 
@@ -44,7 +44,7 @@ def knn_pool(x: torch.Tensor, knn_indices, nin: int, mode: str = "max",
 
 def _pool(x, knn_indices, nin: int, mode: str, backend: str, cache: NativeTableCache):
     """(y, backend that ran) on validated arguments."""
-    if resolve_backend(backend, x, atomics=False) == "torch":
+    if resolve_neighbourhood_backend(backend, x, atomics=False) == "torch":
         return pool_neighbours(x, knn_indices, nin, mode), "torch"
     tables = cache.get(knn_indices, nin)
     return _NativePool.apply(x, tables, nin, mode), "cuda"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import random_geometry, rel_err
+from conftest import random_geometry, rel_err, with_all_padding_node
 from knnconv import KNNDepthwiseConv, KNNDepthwiseSeparableConv, KNNPool, knn_pool
 
 pytestmark = pytest.mark.gpu
@@ -28,10 +28,9 @@ SIZES = ((1, 3), (17, 5), (129, 2))
 
 
 def table_with_all_padding_node(seed: int, **knobs):
+    """A random geometry and its table with a node that has no real neighbour."""
     geometry = random_geometry(torch.Generator().manual_seed(seed), **knobs)
-    knn = geometry.knn_indices.clone()
-    knn[:, -1] = geometry.nin  # a node with no real neighbour: 0 out, no gradient
-    return geometry, knn
+    return geometry, with_all_padding_node(geometry)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
