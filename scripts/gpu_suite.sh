@@ -32,7 +32,7 @@ if [ -n "${3:-}" ]; then
   stage wheels 120 python3 -m pip install --no-deps --no-index "$3"/*.whl
 fi
 nvidia-smi >"$out/logs/nvidia-smi.txt" 2>&1
-stage tests 300 python3 -m pytest tests -m gpu -q -p no:cacheprovider --durations=12
+stage tests 300 python3 -m pytest tests -m gpu -v -p no:cacheprovider --durations=12
 stage bench 150 python3 -m knnconv.bench --geometry "$geometry" --out "$out" --dtypes float16 \
   --check --repeats 10 --warmup 2
 stage networks 60 python3 -m knnconv.bench_networks --geometry "$geometry" --out "$out"
