@@ -45,6 +45,23 @@ def default_instantiations() -> list[str]:
     return sorted(names)
 
 
+def _compile(names: list[str], arch: str, tmp_path, *flags: str) -> subprocess.CompletedProcess:
+    """nvcc over a unit that takes each kernel's address, which instantiates exactly the NVRTC
+    name expressions; the output lands in tmp_path / "kernels"."""
+    unit = tmp_path / "instantiate.cu"
+    unit.write_text(
+        f'#include "{KERNEL_SOURCE.name}"\n'
+        + "void* knnconv_kernels[] = {\n"
+        + "".join(f"    reinterpret_cast<void*>(&{name}),\n" for name in names)
+        + "};\n"
+    )
+    return subprocess.run(
+        [NVCC, "-std=c++17", f"-I{KERNEL_DIR}", f"-arch={arch}", *flags,
+         "-o", str(tmp_path / "kernels"), str(unit)],
+        capture_output=True, text=True, timeout=600,
+    )
+
+
 def test_every_tile_rule_is_a_valid_config():
     assert len(default_instantiations()) >= 2 * len(FAMILIES)
 
@@ -53,19 +70,7 @@ def test_every_tile_rule_is_a_valid_config():
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_default_instantiations_compile_without_spills(arch, tmp_path):
     names = default_instantiations()
-    # Taking each kernel's address instantiates exactly the NVRTC name expressions.
-    unit = tmp_path / "instantiate.cu"
-    unit.write_text(
-        f'#include "{KERNEL_SOURCE.name}"\n'
-        + "void* knnconv_kernels[] = {\n"
-        + "".join(f"    reinterpret_cast<void*>(&{name}),\n" for name in names)
-        + "};\n"
-    )
-    result = subprocess.run(
-        [NVCC, "-std=c++17", f"-I{KERNEL_DIR}", f"-arch={arch}", "-cubin", "--resource-usage",
-         "-o", str(tmp_path / "kernels.cubin"), str(unit)],
-        capture_output=True, text=True, timeout=600,
-    )
+    result = _compile(names, arch, tmp_path, "-cubin", "--resource-usage")
     assert result.returncode == 0, result.stderr
     report = result.stdout + result.stderr
     (tmp_path / "resource-usage.txt").write_text(report)
@@ -80,6 +85,20 @@ def test_default_instantiations_compile_without_spills(arch, tmp_path):
     assert not spilling, f"{arch}: kernels with stack frame or spills: {spilling}"
     assert max(registers) <= 255
     print(f"{arch}: {len(names)} kernels, registers {min(registers)}-{max(registers)}, no spills")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on the PATH")
+def test_every_fragment_load_reads_shared_memory_in_both_dtypes(tmp_path):
+    # Fragments are always staged in shared memory; a wmma.load without the .shared state
+    # space is a generic load ptxas cannot turn into ldmatrix (bf16 ran 1.2-1.6x slower).
+    names = [name for name in default_instantiations()
+             if "knn_forward" in name or "knn_grad_" in name]
+    result = _compile(names, "sm_90", tmp_path, "-ptx")
+    assert result.returncode == 0, result.stderr
+    loads = re.findall(r"wmma\.load\.[ab]\.[\w.]+", (tmp_path / "kernels").read_text())
+    assert {load.rsplit(".", 1)[1] for load in loads} == {"f16", "bf16"}
+    generic = sorted({load for load in loads if ".shared." not in load})
+    assert not generic, f"fragment loads from generic addresses: {generic}"
 
 
 @pytest.mark.parametrize("nvrtc,driver,refused", [((13, 0), 13000, False), ((12, 8), 13000, False),
