@@ -37,7 +37,7 @@ from .configs import (
 )
 
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
-TRANSPOSE_TILE, TRANSPOSE_ROWS = 32, 8  # kTransposeTile, kTransposeRows in knn_common.cuh
+LOG_TRANSPOSE_ELEMENTS, TRANSPOSE_THREADS = 10, 256  # knn_common.cuh
 MAX_KERNEL_ARGS = 16
 _thread_state = threading.local()
 
@@ -120,6 +120,19 @@ def _shared_memory_limit(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
 
 
+def transpose_tile_log2(dst_a: int, dst_c: int) -> tuple[int, int]:
+    """log2 of transpose_pad's tile extents (a, c): 32 x 32, or as narrow as a small extent
+    (a few nodes, cells or batch rows) and correspondingly long, so no thread idles."""
+    narrow = 5
+    if dst_c < 2**narrow:
+        log_c = (dst_c - 1).bit_length()
+        return LOG_TRANSPOSE_ELEMENTS - log_c, log_c
+    if dst_a < 2**narrow:
+        log_a = (dst_a - 1).bit_length()
+        return log_a, LOG_TRANSPOSE_ELEMENTS - log_a
+    return narrow, LOG_TRANSPOSE_ELEMENTS - narrow
+
+
 class _Transpose:
     """dst[z, c, a] = src[z, a, c] for every (z, a, c) of ``dst_extents``, zero wherever it
     lies past ``src_extents``. Extents are (z, a, c); dst_strides are dst's (z, c) strides
@@ -130,8 +143,10 @@ class _Transpose:
         dst_z, dst_a, dst_c = dst_extents
         self.kernel = get_kernel(transpose_name(src_dtype, dst_dtype), device_index)
         self.device_index = device_index
-        self.grid = (-(-dst_c // TRANSPOSE_TILE), -(-dst_a // TRANSPOSE_TILE), dst_z)
+        log_a, log_c = transpose_tile_log2(dst_a, dst_c)
+        self.grid = (-(-dst_c >> log_c), -(-dst_a >> log_a), dst_z)
         self.static = (*src_extents, dst_a, dst_c, *dst_strides)
+        self.log_tile_c = log_c
 
     def __call__(self, src: torch.Tensor, dst: int, src_strides, z_sums: int = 0) -> None:
         """dst and z_sums are device addresses (z_sums: float32 [z], 0 for none)."""
@@ -139,8 +154,9 @@ class _Transpose:
 
     def launch_raw(self, src: int, dst: int, src_strides, z_sums: int = 0) -> None:
         z, a, c, dst_a, dst_c, dst_sz, dst_sc = self.static
-        _launch(self.kernel, self.device_index, self.grid, (TRANSPOSE_TILE, TRANSPOSE_ROWS, 1), 0,
-                (src, dst, z, a, c, *src_strides, dst_a, dst_c, dst_sz, dst_sc, z_sums))
+        _launch(self.kernel, self.device_index, self.grid, (TRANSPOSE_THREADS, 1, 1), 0,
+                (src, dst, z, a, c, *src_strides, dst_a, dst_c, dst_sz, dst_sc, z_sums,
+                 self.log_tile_c))
 
 
 def _weight_transposed(cout: int, q: int, cpad: int, src_dtype, dtype, device_index: int):

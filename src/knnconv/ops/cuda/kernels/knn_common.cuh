@@ -15,8 +15,10 @@ constexpr int kChunk = 8;
 constexpr int kPad = 8;
 constexpr int kWarp = 32;
 constexpr int kFrag = 16;
-constexpr int kTransposeTile = 32;
-constexpr int kTransposeRows = 8;
+// transpose_pad: a tile of 2^10 elements, moved by 256 threads.
+constexpr int kLogTransposeElements = 10;
+constexpr int kTransposeElements = 1 << kLogTransposeElements;
+constexpr int kTransposeThreads = 256;
 
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(smem));

@@ -399,40 +399,50 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
 }
 
 // dst[z*dst_stride_z + c*dst_stride_c + a] = src[z*src_stride_z + a*src_stride_a + c*src_stride_c]:
-// a batch of 2-D transposes through a 32x32 shared tile (both sides coalesced), converting the
-// type and writing zeros wherever (z, a, c) lies past the source extents. Grid: (c tiles,
-// a tiles, z). With z_sums, also z_sums[z] += the sum of source slice z (fp32 atomics, one per
-// block): the bias gradient comes out of grad_y's re-layout without another pass over it.
+// a batch of 2-D transposes through a shared tile of kTransposeElements, converting the type
+// and writing zeros wherever (z, a, c) lies past the source extents. The tile spans
+// 2^log_tile_c source columns by kTransposeElements / 2^log_tile_c rows: the host narrows it
+// to a small extent (a few nodes, cells or batch rows) so no thread idles on a 32x32 tile that
+// is mostly outside the tensor, and reads along c and writes along a stay coalesced.
+// Grid: (c tiles, a tiles, z). With z_sums, also z_sums[z] += the sum of source slice z (fp32
+// atomics, one per warp): the bias gradient comes out of grad_y's re-layout without another
+// pass over it.
 template <typename TIn, typename TOut>
-__global__ void __launch_bounds__(kTransposeTile* kTransposeRows)
+__global__ void __launch_bounds__(kTransposeThreads)
     transpose_pad(const TIn* __restrict__ src, TOut* __restrict__ dst, int src_z, int src_a,
                   int src_c, long long src_stride_z, long long src_stride_a, long long src_stride_c,
                   int dst_a, int dst_c, long long dst_stride_z, long long dst_stride_c,
-                  float* __restrict__ z_sums) {
-  __shared__ float tile[kTransposeTile][kTransposeTile + 1];
-  const int c0 = blockIdx.x * kTransposeTile, a0 = blockIdx.y * kTransposeTile;
+                  float* __restrict__ z_sums, int log_tile_c) {
+  // One padding float per tile row: column reads of the store phase avoid bank conflicts.
+  __shared__ float tile[2 * kTransposeElements];
+  const int tile_c = 1 << log_tile_c, pitch = tile_c + 1;
+  const int log_tile_a = kLogTransposeElements - log_tile_c;
+  const int c0 = blockIdx.x << log_tile_c, a0 = blockIdx.y << log_tile_a;
   const int z = blockIdx.z;
   const TIn* src_z_base = src + z * src_stride_z;
-  for (int i = threadIdx.y; i < kTransposeTile; i += kTransposeRows) {
-    const int a = a0 + i, c = c0 + threadIdx.x;
+  float slice_sum = 0.0f;
+  for (int e = threadIdx.x; e < kTransposeElements; e += kTransposeThreads) {
+    const int i = e >> log_tile_c, j = e & (tile_c - 1);
+    const int a = a0 + i, c = c0 + j;
     const bool inside = z < src_z && a < src_a && c < src_c;
-    tile[i][threadIdx.x] = inside ? to_float(src_z_base[a * src_stride_a + c * src_stride_c]) : 0.0f;
+    const float value = inside ? to_float(src_z_base[a * src_stride_a + c * src_stride_c]) : 0.0f;
+    tile[i * pitch + j] = value;
+    slice_sum += value;
   }
-  __syncthreads();
-  if (z_sums != nullptr && threadIdx.y == 0 && z < src_z) {
-    float sum = 0.0f;
-    for (int i = 0; i < kTransposeTile; ++i) sum += tile[i][threadIdx.x];
+  if (z_sums != nullptr) {
 #pragma unroll
     for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-      sum += __shfl_down_sync(0xffffffffu, sum, offset);
+      slice_sum += __shfl_down_sync(0xffffffffu, slice_sum, offset);
     }
-    if (threadIdx.x == 0) atomicAdd(z_sums + z, sum);
+    if (threadIdx.x % kWarp == 0 && z < src_z) atomicAdd(z_sums + z, slice_sum);
   }
+  __syncthreads();
   TOut* dst_z_base = dst + z * dst_stride_z;
-  for (int i = threadIdx.y; i < kTransposeTile; i += kTransposeRows) {
-    const int c = c0 + i, a = a0 + threadIdx.x;
+  for (int e = threadIdx.x; e < kTransposeElements; e += kTransposeThreads) {
+    const int j = e >> log_tile_a, i = e & ((1 << log_tile_a) - 1);
+    const int c = c0 + j, a = a0 + i;
     if (c < dst_c && a < dst_a) {
-      dst_z_base[c * dst_stride_c + a] = from_float<TOut>(tile[threadIdx.x][i]);
+      dst_z_base[c * dst_stride_c + a] = from_float<TOut>(tile[i * pitch + j]);
     }
   }
 }
