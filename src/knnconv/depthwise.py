@@ -107,7 +107,9 @@ class _NativeDepthwise(torch.autograd.Function):
         xc, wc = x.to(dtype).contiguous(), weight.to(dtype).contiguous()
         bc = None if bias is None else bias.to(dtype).contiguous()
         y = neighbourhood.depthwise_forward(xc, wc, bc, tables.knn, tables.cells, nin)
-        ctx.save_for_backward(xc, wc)
+        need_x, need_w = ctx.needs_input_grad[:2]
+        # dx reads only the weight and dW only x: keep what a needed gradient reads.
+        ctx.save_for_backward(xc if need_w else None, wc if need_x else None)
         ctx.tables, ctx.nin, ctx.compute_dtype = tables, nin, dtype
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y

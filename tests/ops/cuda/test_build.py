@@ -36,7 +36,7 @@ def default_instantiations() -> list[str]:
     for dtype in floats:  # the pooling / depthwise kernels, in every dtype they serve
         names.update(neighbourhood_name("knn_pool_forward", dtype, mode=mode)
                      for mode in POOL_MODE_CODES.values())
-        names.update(neighbourhood_name("knn_pool_backward", dtype, dtype, mode)
+        names.update(neighbourhood_name("knn_pool_backward", dtype, mode=mode)
                      for mode in POOL_MODE_CODES.values())
         names.add(neighbourhood_name("knn_depthwise_forward", dtype))
         names.add(neighbourhood_name("knn_depthwise_grad_weight", dtype))

@@ -63,26 +63,24 @@ def _launch(kernel: CompiledKernel, device_index: int, grid: tuple, block: tuple
     values, parameters = _argument_slots()
     values[: len(args)] = args
     stream = torch._C._cuda_getCurrentRawStream(device_index)
-    if torch.cuda.current_device() == device_index:
-        _bind_context(device_index)
-        kernel.launch(grid, block, shared, stream, parameters)
-    else:
-        with torch.cuda.device(device_index):
-            _bind_context(device_index)
-            kernel.launch(grid, block, shared, stream, parameters)
+    _on_device(device_index, kernel.launch, grid, block, shared, stream, parameters)
 
 
 def _zero(pointer: int, nbytes: int, device_index: int) -> None:
     """cudaMemsetAsync(0) on torch's current stream of the device (capturable in a graph)."""
     stream = torch._C._cuda_getCurrentRawStream(device_index)
-    memset = import_cupy().cuda.runtime.memsetAsync
+    _on_device(device_index, import_cupy().cuda.runtime.memsetAsync, pointer, 0, nbytes, stream)
+
+
+def _on_device(device_index: int, issue, *args) -> None:
+    """issue(*args) with the device current and its primary context bound to this thread."""
     if torch.cuda.current_device() == device_index:
         _bind_context(device_index)
-        memset(pointer, 0, nbytes, stream)
+        issue(*args)
     else:
         with torch.cuda.device(device_index):
             _bind_context(device_index)
-            memset(pointer, 0, nbytes, stream)
+            issue(*args)
 
 
 def _bind_context(device_index: int) -> None:

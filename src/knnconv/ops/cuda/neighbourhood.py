@@ -48,8 +48,7 @@ def pool_backward(grad_y: torch.Tensor, x: torch.Tensor | None, y: torch.Tensor 
     scale: float32 [Nout], 1/(real neighbours), read in avg mode."""
     batch, channels, nout = grad_y.shape
     dx = torch.empty(batch, channels, nin, dtype=grad_y.dtype, device=grad_y.device)
-    name = neighbourhood_name("knn_pool_backward", grad_y.dtype, grad_y.dtype,
-                              POOL_MODE_CODES[mode])
+    name = neighbourhood_name("knn_pool_backward", grad_y.dtype, mode=POOL_MODE_CODES[mode])
     _run(name, grad_y.device, nin, batch * channels,
          (grad_y.data_ptr(), _pointer(x), _pointer(y), _pointer(ties), scale.data_ptr(),
           reverse.pair_start.data_ptr(), reverse.pair_node.data_ptr(), dx.data_ptr(),

@@ -58,12 +58,12 @@ __global__ void knn_pool_forward(const T* __restrict__ x, const int* __restrict_
 
 // dx[r, m] = sum over the nodes n reading m of gy[r, n] * share, share = 1 (sum), 1/count[n]
 // (avg, as scale[n]) or, for max, 1/ties[r, n] when x[r, m] is the max y[r, n] and 0 otherwise.
-template <typename T, typename TGrad, int kMode>
+template <typename T, int kMode>
 __global__ void knn_pool_backward(const T* __restrict__ gy, const T* __restrict__ x,
                                   const T* __restrict__ y, const int* __restrict__ ties,
                                   const float* __restrict__ scale,
                                   const int* __restrict__ pair_start,
-                                  const int* __restrict__ pair_node, TGrad* __restrict__ dx,
+                                  const int* __restrict__ pair_node, T* __restrict__ dx,
                                   int rows, int nin, int nout) {
   const int m = blockIdx.x * blockDim.x + threadIdx.x;
   if (m >= nin) return;
@@ -84,7 +84,7 @@ __global__ void knn_pool_backward(const T* __restrict__ gy, const T* __restrict_
         total += to_float(gy[out_row + n]);
       }
     }
-    dx[static_cast<size_t>(r) * nin + m] = from_float<TGrad>(total);
+    dx[static_cast<size_t>(r) * nin + m] = from_float<T>(total);
   }
 }
 
