@@ -110,7 +110,7 @@ class _NativeDepthwise(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[:2]
         # dx reads only the weight and dW only x: keep what a needed gradient reads.
         ctx.save_for_backward(xc if need_w else None, wc if need_x else None)
-        ctx.tables, ctx.nin, ctx.compute_dtype = tables, nin, dtype
+        ctx.tables, ctx.nin, ctx.cells, ctx.compute_dtype = tables, nin, weight.shape[1], dtype
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y
 
@@ -129,7 +129,7 @@ class _NativeDepthwise(torch.autograd.Function):
                                                         x_dtype)
         if need_w:
             grad_w = neighbourhood.depthwise_grad_weight(xc, grad_y, tables.knn, tables.cells,
-                                                         wc.shape[1]).to(w_dtype)
+                                                         ctx.cells).to(w_dtype)
         if need_b:
             grad_b = grad_y.sum(dim=(0, 2), dtype=torch.float32).to(b_dtype)
         return grad_x, grad_w, grad_b, None, None

@@ -99,6 +99,30 @@ def test_depthwise_matches_float64(dtype, batch, channels, collisions):
         assert rel_err(got.cpu(), expected) < tolerance
 
 
+@pytest.mark.parametrize("frozen", ["x", "weight"])
+def test_depthwise_computes_only_the_needed_gradients(frozen):
+    geometry = random_geometry(torch.Generator().manual_seed(11), nin=40, nout=12, k=5)
+    layer = KNNDepthwiseConv(4, geometry.knn_indices, geometry.rf_index, nin=40, v=geometry.v,
+                             backend="cuda").to(DEVICE)
+    reference = copy.deepcopy(layer).double()
+    reference.backend = "torch"
+    x = torch.randn(9, 4, 40, device=DEVICE)
+    grad_y = torch.randn(9, 4, 12, device=DEVICE)
+    native_x, x64 = x.clone(), x.double()
+    if frozen == "weight":
+        for module in (layer, reference):
+            module.weight.requires_grad_(False)
+        native_x.requires_grad_(), x64.requires_grad_()
+    layer(native_x).backward(grad_y)
+    reference(x64).backward(grad_y.double())
+    if frozen == "x":
+        assert native_x.grad is None
+        assert rel_err(layer.weight.grad, reference.weight.grad) < 1e-5
+    else:
+        assert layer.weight.grad is None
+        assert rel_err(native_x.grad, x64.grad) < 1e-5
+
+
 def test_depthwise_under_autocast_promotes_like_torch_ops():
     geometry = random_geometry(torch.Generator().manual_seed(5), nin=40, nout=12, k=5)
     layer = KNNDepthwiseSeparableConv(4, 6, geometry.knn_indices, geometry.rf_index, nin=40,
