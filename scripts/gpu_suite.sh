@@ -10,6 +10,7 @@
 # common).
 # Results (h200*.json/csv/png, networks.json, demo.png) land in OUTDIR, every stage's log in
 # OUTDIR/logs.tar.gz; each stage's exit status and time are summarised in OUTDIR/summary.txt.
+# KNNCONV_STAGES="tests bench ..." runs only the stages named (install and wheels always run).
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUTDIR GEOMETRY_DIR}
 geometry=${2:?usage: gpu_suite.sh OUTDIR GEOMETRY_DIR}
@@ -19,6 +20,9 @@ summary=()
 stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log, remember the status
   local name=$1 limit=$2
   shift 2
+  if [ -n "${KNNCONV_STAGES:-}" ] && [[ " install wheels $KNNCONV_STAGES " != *" $name "* ]]; then
+    return
+  fi
   local start=$SECONDS
   timeout "$limit" "$@" >"$out/logs/$name.log" 2>&1
   local status=$?
