@@ -38,6 +38,9 @@ from .configs import (
 
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
 LOG_TRANSPOSE_ELEMENTS, TRANSPOSE_THREADS = 10, 256  # knn_common.cuh
+# A summing transpose runs about this many CTAs per SM (enough to fill it), each looping over
+# a tiles, so each z_sums address takes as few atomics as that allows.
+SUMMING_CTAS_PER_SM = 16
 MAX_KERNEL_ARGS = 16
 _thread_state = threading.local()
 
@@ -137,12 +140,17 @@ class _Transpose:
     (its a stride is 1); the source strides are given per call."""
 
     def __init__(self, src_dtype, dst_dtype, device_index: int, src_extents, dst_extents,
-                 dst_strides) -> None:
+                 dst_strides, *, sums_z: bool = False) -> None:
+        """sums_z: the calls pass z_sums; few CTAs along a then share each z's atomics."""
         dst_z, dst_a, dst_c = dst_extents
         self.kernel = get_kernel(transpose_name(src_dtype, dst_dtype), device_index)
         self.device_index = device_index
         log_a, log_c = transpose_tile_log2(dst_a, dst_c)
-        self.grid = (-(-dst_c >> log_c), -(-dst_a >> log_a), dst_z)
+        c_tiles, a_tiles = -(-dst_c >> log_c), -(-dst_a >> log_a)
+        if sums_z:
+            wanted = SUMMING_CTAS_PER_SM * _multiprocessors(device_index)
+            a_tiles = min(a_tiles, -(-wanted // (c_tiles * dst_z)))
+        self.grid = (c_tiles, a_tiles, dst_z)
         self.static = (*src_extents, dst_a, dst_c, *dst_strides)
         self.log_tile_c = log_c
 
@@ -411,7 +419,7 @@ class BackwardLaunch:
         carve = _Carve()
         self.gt_at = carve.add(nout * gpad * bpad * item)
         self.to_gt = _Transpose(dtype, dtype, index, (cout, batch, nout), (gpad, bpad, nout),
-                                (bpad, gpad * bpad))
+                                (bpad, gpad * bpad), sums_z=need_bias)
         if need_input and algorithm == "gather":
             self.cinpad = _round_up(cin, gi.bn)
             self.weight_at = carve.add((q // cin) * gpad * self.cinpad * item)
