@@ -50,6 +50,7 @@ stage initcheck 40 compute-sanitizer --tool initcheck --error-exitcode 9 \
   python3 scripts/sanitize_kernels.py
 stage synccheck 40 compute-sanitizer --tool synccheck --error-exitcode 9 \
   python3 scripts/sanitize_kernels.py
+stage relayouts 60 python3 scripts/bench_relayouts.py "$out/logs/relayouts.json"
 stage neighbourhood 120 python3 scripts/bench_neighbourhood.py "$out/logs/neighbourhood.json"
 stage demo 60 python3 -m knnconv demo --out "$out/demo.png"
 stage profile 60 env KNNCONV_CPROFILE=1 python3 scripts/profile_cells.py "$geometry" \

@@ -62,13 +62,18 @@ def compute_dtype(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return x.dtype
 
 
+def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """tensor.to(dtype) without the dispatcher round trip when it already is (most calls)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
 def forward_impl(plan: KNNConvPlan, ops: KNNConvOps, x, weight, bias, dtype: torch.dtype,
                  keep_for_backward: bool):
     """y in the compute dtype, and what the weight gradient needs of x (x in the compute dtype,
     or the backend's own re-layout of it, see KNNConvOps.forward_saving)."""
-    xc, wc = x.to(dtype), weight.to(dtype)
+    xc, wc = _in_dtype(x, dtype), _in_dtype(weight, dtype)
     keep_bias = bias is None or (ops.float32_bias and bias.dtype == torch.float32)
-    bc = bias if keep_bias else bias.to(dtype)
+    bc = bias if keep_bias else _in_dtype(bias, dtype)
     if x.shape[0] == 0:  # an empty batch is legal; no backend needs to handle it
         return xc.new_empty(0, plan.nout, plan.cout).transpose(1, 2), xc
     if keep_for_backward:
@@ -80,8 +85,8 @@ def backward_impl(plan: KNNConvPlan, ops: KNNConvOps, grad_y, saved_x, weight, n
                   dtype: torch.dtype):
     """(grad_x, grad_weight, grad_bias), None where not needed, each in the dtype of the tensor
     it belongs to (``dtypes``), accumulated in at least float32."""
-    grad_y = grad_y.to(dtype)
-    wc = weight.to(dtype) if needs[0] else None
+    grad_y = _in_dtype(grad_y, dtype)
+    wc = _in_dtype(weight, dtype) if needs[0] else None
     if grad_y.shape[0] == 0:
         grad_x = grad_y.new_zeros(0, plan.cin, plan.nin, dtype=dtypes[0]) if needs[0] else None
         grad_w = grad_y.new_zeros(plan.cout, plan.q, dtype=dtypes[1]) if needs[1] else None

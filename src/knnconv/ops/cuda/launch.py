@@ -77,7 +77,7 @@ def _zero(pointer: int, nbytes: int, device_index: int) -> None:
 
 def _on_device(device_index: int, issue, *args) -> None:
     """issue(*args) with the device current and its primary context bound to this thread."""
-    if torch.cuda.current_device() == device_index:
+    if torch._C._cuda_getDevice() == device_index:  # torch.cuda.current_device() minus a layer
         _bind_context(device_index)
         issue(*args)
     else:

@@ -408,8 +408,11 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
 // z_sums[z] += the sum of source slice z, one fp32 atomic per CTA: the bias gradient comes out
 // of grad_y's re-layout without another pass over it, and the host keeps the CTAs along a
 // few, since same-address atomics serialise (8 per tile cost conv1's step 1.4 ms).
+// Eight CTAs per SM (a full SM of threads, ~29 registers): a memory-bound copy needs every
+// load in flight it can get; left free, ptxas took 48 registers and five CTAs per SM, and the
+// large re-layouts ran ~30% slower (run 3).
 template <typename TIn, typename TOut>
-__global__ void __launch_bounds__(kTransposeThreads)
+__global__ void __launch_bounds__(kTransposeThreads, 8)
     transpose_pad(const TIn* __restrict__ src, TOut* __restrict__ dst, int src_z, int src_a,
                   int src_c, long long src_stride_z, long long src_stride_a, long long src_stride_c,
                   int dst_a, int dst_c, long long dst_stride_z, long long dst_stride_c,

@@ -1,0 +1,101 @@
+"""GPU time of the cuda backend's operand re-layouts (transpose_pad) on shapes of the published
+layers at B = 2048, against torch copying the same bytes (a permuted .contiguous() with the
+same dtype conversion, one copy_ kernel) in the same run: the re-layouts' share of the copy ceiling.
+
+    python scripts/bench_relayouts.py OUT.json
+
+Each figure is the median over 5 rounds of (CUDA-event time of 20 back-to-back calls) / 20, so
+the GPU queue stays full and host launch cost does not count.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import torch
+
+from knnconv.ops.cuda.launch import _Transpose, transpose_tile_log2
+
+DEVICE = torch.device("cuda")
+B = 2048
+
+
+def gpu_ms(call, calls: int = 20, rounds: int = 5) -> float:
+    for _ in range(3):
+        call()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def case(name, src, src_strides, src_extents, dst_extents, dst_strides, dst_dtype, torch_copy,
+         *, with_sums: bool = False) -> dict:
+    """One re-layout: transpose_pad against torch_copy() moving the same bytes."""
+    index = DEVICE.index or 0
+    relayout = _Transpose(src.dtype, dst_dtype, index, src_extents, dst_extents, dst_strides,
+                          sums_z=with_sums)
+    dst_z, dst_c = dst_extents[0], dst_extents[2]
+    dst = torch.empty(dst_z * dst_c * dst_extents[1], dtype=dst_dtype, device=DEVICE)
+    sums = torch.zeros(src_extents[0], dtype=torch.float32, device=DEVICE)
+    sums_at = sums.data_ptr() if with_sums else 0
+    ms = gpu_ms(lambda: relayout(src, dst.data_ptr(), src_strides, sums_at))
+    copy_ms = gpu_ms(torch_copy)
+    moved = src.numel() * src.element_size() + dst.numel() * dst.element_size()
+    log_a, log_c = transpose_tile_log2(dst_extents[1], dst_extents[2])
+    row = {"relayout": name, "tile": [2**log_a, 2**log_c], "grid": list(relayout.grid),
+           "ms": ms, "torch_copy_ms": copy_ms, "gbps": moved / ms / 1e6,
+           "torch_copy_gbps": moved / copy_ms / 1e6, "bytes": moved}
+    print(f"{name:34} tile {row['tile']!s:11} {ms * 1e3:8.1f} us {row['gbps']:7.0f} GB/s   "
+          f"torch copy {copy_ms * 1e3:8.1f} us {row['torch_copy_gbps']:7.0f} GB/s")
+    return row
+
+
+def main(out: str) -> None:
+    half = torch.float16
+    rows = []
+    # conv1 (Cin 3, Nin 4085, Nout 964, Cout 64): x -> xt [Cin*Nin + 1, B]
+    x = torch.randn(B, 3 * 4085, device=DEVICE, dtype=half)
+    rows.append(case("conv1 x -> xt", x, (0, x.stride(0), 1), (1, B, 3 * 4085),
+                     (1, B, 3 * 4085 + 1), (0, B), half, lambda: x.t().contiguous()))
+    # conv1 grad_y [B, 64, 964] -> gt [964, 64, B], with the bias sums
+    g = torch.randn(B, 64, 964, device=DEVICE, dtype=half)
+    rows.append(case("conv1 grad_y -> gt (+bias)", g, (g.stride(1), g.stride(0), 1),
+                     (64, B, 964), (64, B, 964), (B, 64 * B), half,
+                     lambda: g.permute(2, 1, 0).contiguous(), with_sums=True))
+    # conv1 dx staging fp32 [Cin*Nin, B] -> dx [B, Cin*Nin] fp16 (scatter algorithm)
+    s = torch.randn(3 * 4085, B, device=DEVICE)
+    dx = torch.empty(B, 3 * 4085, device=DEVICE, dtype=half)
+    rows.append(case("conv1 dx staging -> dx", s, (0, B, 1), (1, 3 * 4085, B),
+                     (1, 3 * 4085, B), (0, 3 * 4085), half, lambda: dx.copy_(s.t())))
+    # layer4.0.conv2 grad_y [B, 512, 2] -> gt [2, 512, B], with the bias sums
+    g2 = torch.randn(B, 512, 2, device=DEVICE, dtype=half)
+    rows.append(case("layer4 grad_y -> gt (+bias)", g2, (g2.stride(1), g2.stride(0), 1),
+                     (512, B, 2), (512, B, 2), (B, 512 * B), half,
+                     lambda: g2.permute(2, 1, 0).contiguous(), with_sums=True))
+    # layer4.0.conv1 dx staging fp32 [B, Nin 16, Cin 256] -> dx [B, 256, 16] (gather)
+    s2 = torch.randn(B, 16, 256, device=DEVICE)
+    dx2 = torch.empty(B, 256, 16, device=DEVICE, dtype=half)
+    rows.append(case("layer4 dx staging -> dx", s2, (16 * 256, 256, 1), (B, 16, 256),
+                     (B, 16, 256), (256 * 16, 16), half, lambda: dx2.copy_(s2.transpose(1, 2))))
+    # weight by cell, V = 9: W [512, 256*9] -> wr [9, 512, 256]
+    w = torch.randn(512, 256 * 9, device=DEVICE, dtype=half)
+    rows.append(case("layer4 weight -> by cell (V 9)", w, (w.stride(0), 9, 1), (512, 256, 9),
+                     (512, 256, 9), (256, 512 * 256), half,
+                     lambda: w.view(512, 256, 9).permute(2, 0, 1).contiguous()))
+    with open(out, "w") as handle:
+        json.dump({"device": torch.cuda.get_device_name(DEVICE), "batch": B, "rows": rows},
+                  handle, indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
