@@ -37,7 +37,7 @@ from .configs import (
 )
 
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
-LOG_TRANSPOSE_ELEMENTS, TRANSPOSE_THREADS = 12, 256  # knn_common.cuh
+LOG_TRANSPOSE_ELEMENTS, TRANSPOSE_THREADS = 10, 256  # knn_common.cuh
 # A summing transpose runs about this many CTAs per SM (enough to fill it), each looping over
 # a tiles, so each z_sums address takes as few atomics as that allows.
 SUMMING_CTAS_PER_SM = 16
@@ -122,15 +122,16 @@ def _shared_memory_limit(device_index: int) -> int:
 
 
 def transpose_tile_log2(dst_a: int, dst_c: int) -> tuple[int, int]:
-    """log2 of transpose_pad's tile extents (a, c): 64 x 64, or as narrow as a small extent
-    (a few nodes, cells or batch rows) and as long as the other allows, so no thread idles."""
-    square = LOG_TRANSPOSE_ELEMENTS // 2
-    need_a, need_c = (dst_a - 1).bit_length(), (dst_c - 1).bit_length()
-    if need_c < square:
-        return min(need_a, LOG_TRANSPOSE_ELEMENTS - need_c), need_c
-    if need_a < square:
-        return need_a, min(need_c, LOG_TRANSPOSE_ELEMENTS - need_a)
-    return square, square
+    """log2 of transpose_pad's tile extents (a, c): 32 x 32, or as narrow as a small extent
+    (a few nodes, cells or batch rows) and correspondingly long, so no thread idles."""
+    narrow = 5
+    if dst_c < 2**narrow:
+        log_c = (dst_c - 1).bit_length()
+        return LOG_TRANSPOSE_ELEMENTS - log_c, log_c
+    if dst_a < 2**narrow:
+        log_a = (dst_a - 1).bit_length()
+        return log_a, LOG_TRANSPOSE_ELEMENTS - log_a
+    return narrow, LOG_TRANSPOSE_ELEMENTS - narrow
 
 
 class _Transpose:
@@ -144,14 +145,14 @@ class _Transpose:
         dst_z, dst_a, dst_c = dst_extents
         self.kernel = get_kernel(transpose_name(src_dtype, dst_dtype), device_index)
         self.device_index = device_index
-        self.log_tiles = log_a, log_c = transpose_tile_log2(dst_a, dst_c)
+        log_a, log_c = transpose_tile_log2(dst_a, dst_c)
         c_tiles, a_tiles = -(-dst_c >> log_c), -(-dst_a >> log_a)
         if sums_z:
             wanted = SUMMING_CTAS_PER_SM * _multiprocessors(device_index)
             a_tiles = min(a_tiles, -(-wanted // (c_tiles * dst_z)))
         self.grid = (c_tiles, a_tiles, dst_z)
-        self.shared = (1 << log_a) * ((1 << log_c) + 1) * 4
         self.static = (*src_extents, dst_a, dst_c, *dst_strides)
+        self.log_tile_c = log_c
 
     def __call__(self, src: torch.Tensor, dst: int, src_strides, z_sums: int = 0) -> None:
         """dst and z_sums are device addresses (z_sums: float32 [z], 0 for none)."""
@@ -159,9 +160,9 @@ class _Transpose:
 
     def launch_raw(self, src: int, dst: int, src_strides, z_sums: int = 0) -> None:
         z, a, c, dst_a, dst_c, dst_sz, dst_sc = self.static
-        _launch(self.kernel, self.device_index, self.grid, (TRANSPOSE_THREADS, 1, 1),
-                self.shared, (src, dst, z, a, c, *src_strides, dst_a, dst_c, dst_sz, dst_sc,
-                              z_sums, *self.log_tiles))
+        _launch(self.kernel, self.device_index, self.grid, (TRANSPOSE_THREADS, 1, 1), 0,
+                (src, dst, z, a, c, *src_strides, dst_a, dst_c, dst_sz, dst_sc, z_sums,
+                 self.log_tile_c))
 
 
 def _weight_transposed(cout: int, q: int, cpad: int, src_dtype, dtype, device_index: int):

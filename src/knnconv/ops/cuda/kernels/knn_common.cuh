@@ -15,8 +15,8 @@ constexpr int kChunk = 8;
 constexpr int kPad = 8;
 constexpr int kWarp = 32;
 constexpr int kFrag = 16;
-// transpose_pad: tiles of up to 2^12 elements, moved by 256 threads.
-constexpr int kLogTransposeElements = 12;
+// transpose_pad: a tile of 2^10 elements, moved by 256 threads.
+constexpr int kLogTransposeElements = 10;
 constexpr int kTransposeElements = 1 << kLogTransposeElements;
 constexpr int kTransposeThreads = 256;
 

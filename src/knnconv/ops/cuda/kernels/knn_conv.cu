@@ -399,28 +399,29 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
 }
 
 // dst[z*dst_stride_z + c*dst_stride_c + a] = src[z*src_stride_z + a*src_stride_a + c*src_stride_c]:
-// a batch of 2-D transposes through a shared tile of up to kTransposeElements, converting the
-// type and writing zeros wherever (z, a, c) lies past the source extents. The tile is
-// 2^log_tile_a rows by 2^log_tile_c columns: 64 x 64 (each warp access a 128-byte line of
-// 2-byte elements, 16 loads in flight per thread: 32 x 32 tiles moved grad_y at ~1 TB/s), or
-// as narrow as a small extent (a few nodes, cells or batch rows) and correspondingly long, so
-// no thread idles on a tile mostly outside the tensor. Grid: (c tiles, CTAs along a, z); a CTA
-// strides over the a tiles. With z_sums, also z_sums[z] += the sum of source slice z, one fp32
-// atomic per CTA: the bias gradient comes out of grad_y's re-layout without another pass over
-// it, and the host keeps the CTAs along a few, since same-address atomics serialise (8 per
-// 32 x 32 tile cost conv1's training step 1.4 ms, run 2).
+// a batch of 2-D transposes through a shared tile of kTransposeElements, converting the type
+// and writing zeros wherever (z, a, c) lies past the source extents. The tile spans
+// 2^log_tile_c source columns by kTransposeElements / 2^log_tile_c rows: the host narrows it
+// to a small extent (a few nodes, cells or batch rows) so no thread idles on a 32x32 tile that
+// is mostly outside the tensor, and reads along c and writes along a stay coalesced.
+// Grid: (c tiles, CTAs along a, z); a CTA strides over the a tiles. With z_sums, also
+// z_sums[z] += the sum of source slice z, one fp32 atomic per CTA: the bias gradient comes out
+// of grad_y's re-layout without another pass over it, and the host keeps the CTAs along a
+// few, since same-address atomics serialise (8 per tile cost conv1's step 1.4 ms).
+// Eight CTAs per SM (a full SM of threads, ~29 registers): a memory-bound copy needs every
+// load in flight it can get; left free, ptxas took 48 registers and five CTAs per SM, and the
+// large re-layouts ran ~30% slower (run 3).
 template <typename TIn, typename TOut>
-__global__ void __launch_bounds__(kTransposeThreads, 4)
+__global__ void __launch_bounds__(kTransposeThreads, 8)
     transpose_pad(const TIn* __restrict__ src, TOut* __restrict__ dst, int src_z, int src_a,
                   int src_c, long long src_stride_z, long long src_stride_a, long long src_stride_c,
                   int dst_a, int dst_c, long long dst_stride_z, long long dst_stride_c,
-                  float* __restrict__ z_sums, int log_tile_a, int log_tile_c) {
-  // Dynamic: (1 << log_tile_a) rows of pitch tile_c + 1 floats; the padding float keeps the
-  // column reads of the store phase free of bank conflicts.
-  extern __shared__ float tile[];
+                  float* __restrict__ z_sums, int log_tile_c) {
+  // One padding float per tile row: column reads of the store phase avoid bank conflicts.
+  __shared__ float tile[2 * kTransposeElements];
   __shared__ float warp_sums[kTransposeThreads / kWarp];
   const int tile_c = 1 << log_tile_c, pitch = tile_c + 1;
-  const int elements = 1 << (log_tile_a + log_tile_c);
+  const int log_tile_a = kLogTransposeElements - log_tile_c;
   const int c0 = blockIdx.x << log_tile_c;
   const int z = blockIdx.z;
   const TIn* src_z_base = src + z * src_stride_z;
@@ -430,31 +431,23 @@ __global__ void __launch_bounds__(kTransposeThreads, 4)
   const long long a_step = static_cast<long long>(gridDim.y) << log_tile_a;
   for (long long a0 = static_cast<long long>(blockIdx.y) << log_tile_a; a0 < dst_a;
        a0 += a_step) {
-#pragma unroll
-    for (int k = 0; k < kTransposeElements / kTransposeThreads; ++k) {
-      const int e = static_cast<int>(threadIdx.x) + k * kTransposeThreads;
-      if (e < elements) {
-        const int i = e >> log_tile_c, j = e & (tile_c - 1);
-        const long long a = a0 + i;
-        const int c = c0 + j;
-        const bool inside = z < src_z && a < src_a && c < src_c;
-        const float value =
-            inside ? to_float(src_z_base[a * src_stride_a + c * src_stride_c]) : 0.0f;
-        tile[i * pitch + j] = value;
-        slice_sum += value;
-      }
+    for (int e = threadIdx.x; e < kTransposeElements; e += kTransposeThreads) {
+      const int i = e >> log_tile_c, j = e & (tile_c - 1);
+      const long long a = a0 + i;
+      const int c = c0 + j;
+      const bool inside = z < src_z && a < src_a && c < src_c;
+      const float value =
+          inside ? to_float(src_z_base[a * src_stride_a + c * src_stride_c]) : 0.0f;
+      tile[i * pitch + j] = value;
+      slice_sum += value;
     }
     __syncthreads();
-#pragma unroll
-    for (int k = 0; k < kTransposeElements / kTransposeThreads; ++k) {
-      const int e = static_cast<int>(threadIdx.x) + k * kTransposeThreads;
-      if (e < elements) {
-        const int j = e >> log_tile_a, i = e & ((1 << log_tile_a) - 1);
-        const int c = c0 + j;
-        const long long a = a0 + i;
-        if (c < dst_c && a < dst_a) {
-          dst_z_base[c * dst_stride_c + a] = from_float<TOut>(tile[i * pitch + j]);
-        }
+    for (int e = threadIdx.x; e < kTransposeElements; e += kTransposeThreads) {
+      const int j = e >> log_tile_a, i = e & ((1 << log_tile_a) - 1);
+      const int c = c0 + j;
+      const long long a = a0 + i;
+      if (c < dst_c && a < dst_a) {
+        dst_z_base[c * dst_stride_c + a] = from_float<TOut>(tile[i * pitch + j]);
       }
     }
     __syncthreads();
