@@ -5,12 +5,14 @@ same dtype conversion, one copy_ kernel) in the same run: the re-layouts' share 
     python scripts/bench_relayouts.py OUT.json
 
 Each figure is the median over 5 rounds of (CUDA-event time of 20 back-to-back calls) / 20, so
-the GPU queue stays full and host launch cost does not count.
+the GPU queue stays full and host launch cost does not count. With KNNCONV_NCU=1 each
+re-layout runs once (a target for Nsight Compute: `ncu -k regex:transpose -c 6`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 
@@ -22,8 +24,13 @@ DEVICE = torch.device("cuda")
 B = 2048
 
 
+ONCE = bool(os.environ.get("KNNCONV_NCU"))
+
+
 def gpu_ms(call, calls: int = 20, rounds: int = 5) -> float:
-    for _ in range(3):
+    if ONCE:
+        calls, rounds = 1, 1
+    for _ in range(0 if ONCE else 3):
         call()
     times = []
     for _ in range(rounds):

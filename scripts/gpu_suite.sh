@@ -58,6 +58,9 @@ stage profile 60 env KNNCONV_CPROFILE=1 python3 scripts/profile_cells.py "$geome
 sections="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis"
 stage ncu 180 env KNNCONV_NCU=1 ncu $sections -k regex:knn_ -s 6 -c 4 python3 \
   scripts/profile_cells.py "$geometry" rfmult-2:conv1:2048 rfmult-1:layers.1.conv:2048
+stage ncu_relayouts 120 env KNNCONV_NCU=1 ncu --section SpeedOfLight \
+  --section MemoryWorkloadAnalysis --section Occupancy -k regex:transpose -c 6 python3 \
+  scripts/bench_relayouts.py "$out/logs/relayouts_ncu.json"
 stage fuzz 90 python3 scripts/fuzz_gpu.py --cases 2000 --seed 1 --out "$out/logs/fuzz.json"
 cat "$out/summary.txt"
 tar -czf "$out/logs.tar.gz" -C "$out" logs && rm -r "$out/logs"
