@@ -1,10 +1,13 @@
-"""Host-side launch geometry of the cuda backend (no GPU needed)."""
+"""The cuda backend's host-side launch geometry (CPU) and its re-layouts against torch (GPU)."""
 
 from __future__ import annotations
 
-import pytest
+import math
 
-from knnconv.ops.cuda.launch import LOG_TRANSPOSE_ELEMENTS, transpose_tile_log2
+import pytest
+import torch
+
+from knnconv.ops.cuda.launch import LOG_TRANSPOSE_ELEMENTS, _Transpose, transpose_tile_log2
 
 
 @pytest.mark.parametrize("dst_a,dst_c,expected", [
@@ -20,3 +23,35 @@ def test_transpose_tile_narrows_to_a_small_extent(dst_a, dst_c, expected):
     log_a, log_c = transpose_tile_log2(dst_a, dst_c)
     assert (log_a, log_c) == expected
     assert log_a + log_c == LOG_TRANSPOSE_ELEMENTS
+
+
+requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("src_dtype,dst_dtype", [
+    (torch.float16, torch.float16), (torch.float32, torch.float16),
+    (torch.bfloat16, torch.float32)], ids=str)
+@pytest.mark.parametrize("extents,kernel", [
+    ((3, 65, 70, 80, 71), "pairs"),  # odd extents, padding past both
+    ((2, 130, 34, 130, 35), "pairs"),
+    ((2, 200, 2, 208, 2), "narrow"),  # two columns: transpose_pad's narrow tile
+    ((1, 9, 300, 16, 301), "narrow"),
+    ((3, 65, 70, 80, 71), "misaligned"),  # a source one element off: no pair accesses
+])
+def test_transpose_matches_torch_with_padding_and_sums(src_dtype, dst_dtype, extents, kernel):
+    z, a, c, dst_a, dst_c = extents
+    skip = 1 if kernel == "misaligned" else 0
+    storage = torch.randn(z * a * c + skip, device="cuda").to(src_dtype)
+    src = storage[skip:].view(z, a, c)
+    relayout = _Transpose(src_dtype, dst_dtype, 0, (z, a, c), (z, dst_a, dst_c),
+                          (dst_c * dst_a, dst_a), sums_z=True)
+    assert relayout.uses_pairs(src.data_ptr(), 0, src.stride()) == (kernel == "pairs")
+    dst = torch.full((z, dst_c, dst_a), math.nan, dtype=dst_dtype, device="cuda")
+    sums = torch.zeros(z, device="cuda")
+    relayout(src, dst.data_ptr(), src.stride(), sums.data_ptr())
+    expected = torch.zeros(z, dst_c, dst_a, dtype=dst_dtype, device="cuda")
+    expected[:, :c, :a] = src.transpose(1, 2).to(dst_dtype)
+    assert torch.equal(dst, expected)
+    torch.testing.assert_close(sums, src.float().sum((1, 2)), rtol=1e-5, atol=1e-3)
