@@ -482,8 +482,9 @@ __global__ void __launch_bounds__(kTransposeThreads, 8)
 // allow two-element accesses (the host checks: src contiguous along c, dst along a, even
 // strides, pointers aligned to two elements): each thread loads pairs of c and stores pairs of
 // a through a 64 x 64 tile. Single-element accesses moved conv1's grad_y at ~1 TB/s, latency
-// bound (16% of DRAM throughput at 91% occupancy); pairs moved it at 3.4 TB/s (prototype,
-// session 3). Grid and z_sums as transpose_pad, with 64-element tiles.
+// bound (16% of DRAM throughput at 91% occupancy); this kernel moves it, with the bias sums,
+// at 1.5 TB/s (a prototype without the sums' few-CTAs-per-channel grid: 3.4 TB/s; see
+// bench/NOTES.md, version 15). Grid and z_sums as transpose_pad, with 64-element tiles.
 template <typename TIn, typename TOut>
 __global__ void __launch_bounds__(kTransposeThreads)
     transpose_pairs(const TIn* __restrict__ src, TOut* __restrict__ dst, int src_z, int src_a,
