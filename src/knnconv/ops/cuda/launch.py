@@ -38,6 +38,7 @@ from .configs import (
 
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
 LOG_TRANSPOSE_ELEMENTS, TRANSPOSE_THREADS = 10, 256  # knn_common.cuh
+SQUARE_TILE_LOG2 = 5  # transpose_pad's 32 x 32 tile, for extents no narrower
 # A summing transpose runs about this many CTAs per SM (enough to fill it), each looping over
 # a tiles, so each z_sums address takes as few atomics as that allows.
 SUMMING_CTAS_PER_SM = 16
@@ -125,14 +126,13 @@ def _shared_memory_limit(device_index: int) -> int:
 def transpose_tile_log2(dst_a: int, dst_c: int) -> tuple[int, int]:
     """log2 of transpose_pad's tile extents (a, c): 32 x 32, or as narrow as a small extent
     (a few nodes, cells or batch rows) and correspondingly long, so no thread idles."""
-    narrow = 5
-    if dst_c < 2**narrow:
+    if dst_c < 2**SQUARE_TILE_LOG2:
         log_c = (dst_c - 1).bit_length()
         return LOG_TRANSPOSE_ELEMENTS - log_c, log_c
-    if dst_a < 2**narrow:
+    if dst_a < 2**SQUARE_TILE_LOG2:
         log_a = (dst_a - 1).bit_length()
         return log_a, LOG_TRANSPOSE_ELEMENTS - log_a
-    return narrow, LOG_TRANSPOSE_ELEMENTS - narrow
+    return SQUARE_TILE_LOG2, LOG_TRANSPOSE_ELEMENTS - SQUARE_TILE_LOG2
 
 
 class _Transpose:
@@ -155,7 +155,8 @@ class _Transpose:
         self.static = (*src_extents, dst_a, dst_c, *dst_strides)
         self.log_tile_c = log_c
         self.pairs_kernel = None
-        if (log_a, log_c) == (5, 5) and all(stride % 2 == 0 for stride in dst_strides):
+        wide = (log_a, log_c) == (SQUARE_TILE_LOG2, SQUARE_TILE_LOG2)
+        if wide and all(stride % 2 == 0 for stride in dst_strides):
             self.pairs_kernel = get_kernel(transpose_name(src_dtype, dst_dtype, pairs=True),
                                            device_index)
             self.pairs_grid = self._grid(PAIRS_TILE, PAIRS_TILE, dst_extents, sums_z)
