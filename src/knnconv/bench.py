@@ -70,8 +70,8 @@ BUILTIN_LEVELS = 6
 
 ROW_FIELDS = (
     "layer", "batch", "dtype", "backend", "mode", "status", "backend_ran", "median_ms",
-    "floor_ms", "pct_of_floor", "anchor_ms", "speedup_vs_anchor", "rel_err", "peak_step_mib",
-    "cin", "cout", "k", "v", "nin", "nout", "p64", "padding_fraction", "note",
+    "floor_ms", "pct_of_floor", "anchor_ms", "speedup_vs_anchor", "rel_err", "cin", "cout", "k",
+    "v", "nin", "nout", "p64", "padding_fraction", "note",
 )
 
 
@@ -316,19 +316,6 @@ def release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def peak_step_mib(step: Callable[[], Any], device: torch.device) -> float | None:
-    """MiB that one call of ``step`` holds at its peak beyond what was allocated before it
-    (temporaries and the gradients it creates); None off CUDA, where torch keeps no count."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    before = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    step()
-    torch.cuda.synchronize(device)
-    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
-
-
 def _geomean(values: list[float]) -> float:
     return math.exp(statistics.fmean(math.log(value) for value in values))
 
@@ -388,8 +375,8 @@ class Benchmark:
             for mode in self._modes(backend):
                 checked = reference if mode == "forward" else None
                 try:
-                    median_ms, ran, rel_err, peak_mib = self._time_cell(plan, inputs, backend,
-                                                                        mode, checked)
+                    median_ms, ran, rel_err = self._time_cell(plan, inputs, backend, mode,
+                                                              checked)
                 except torch.cuda.OutOfMemoryError:
                     self._record(*cell, backend, mode, "oom")
                 except RuntimeError as exc:  # e.g. a failed kernel canary; later cells still run
@@ -397,7 +384,7 @@ class Benchmark:
                 else:
                     note = check_note if mode == "forward" else None
                     self._record(*cell, backend, mode, "ok", median_ms=median_ms, backend_ran=ran,
-                                 rel_err=rel_err, peak_mib=peak_mib, note=note)
+                                 rel_err=rel_err, note=note)
                 inputs.clear_grads()
                 release_memory(self.device)
 
@@ -420,9 +407,8 @@ class Benchmark:
             return None, "check skipped: the float64 reference ran out of memory"
 
     def _time_cell(self, plan: KNNConvPlan, inputs: CellInputs, backend: str, mode: str,
-                   reference: torch.Tensor | None):
-        """(median ms, backend that ran, forward rel_err against ``reference`` or None, peak
-        MiB of one training step (train mode on CUDA) or None)."""
+                   reference: torch.Tensor | None) -> tuple[float, str, float | None]:
+        """(median ms, backend that ran, forward rel_err against ``reference`` or None)."""
         x, weight, bias = inputs.x, inputs.weight, inputs.bias
         timing = {"warmup": self.args.warmup, "repeats": self.args.repeats}
         def train_step() -> str:
@@ -433,10 +419,9 @@ class Benchmark:
         if mode == "train":
             median_ms, ran = time_calls(train_step, self.device, reset=inputs.clear_grads,
                                         **timing)
-            inputs.clear_grads()
-            return median_ms, ran, None, peak_step_mib(train_step, self.device)
+            return median_ms, ran, None
         if mode == "train_graph":
-            return (*graph_replay_ms(train_step, self.device, **timing), None, None)
+            return (*graph_replay_ms(train_step, self.device, **timing), None)
 
         def forward_step() -> str:
             with torch.no_grad():
@@ -444,10 +429,10 @@ class Benchmark:
 
         median_ms, ran = time_calls(forward_step, self.device, **timing)
         if reference is None:
-            return median_ms, ran, None, None
+            return median_ms, ran, None
         with torch.no_grad():
             y = knn_conv_with_backend(x, weight, bias, plan, backend)[0]
-        return median_ms, ran, relative_error(y, reference), None
+        return median_ms, ran, relative_error(y, reference)
 
     def _report_skip(self, backend: str, reason: str) -> None:
         if (backend, reason) not in self._reported_skips:
@@ -457,7 +442,7 @@ class Benchmark:
     def _record(self, name: str, plan: KNNConvPlan, batch: int, dtype_name: str, backend: str,
                 mode: str, status: str, *, median_ms: float | None = None,
                 backend_ran: str | None = None, rel_err: float | None = None,
-                peak_mib: float | None = None, note: str | None = None) -> None:
+                note: str | None = None) -> None:
         floor_ms = forward_floor_ms(plan, batch, self.ceilings)
         if floor_ms is not None and mode != "forward":
             floor_ms *= TRAIN_FLOOR_FACTOR
@@ -470,8 +455,7 @@ class Benchmark:
             "pct_of_floor": 100 * floor_ms / median_ms if measured and floor_ms else None,
             "anchor_ms": anchor_ms,
             "speedup_vs_anchor": anchor_ms / median_ms if measured and anchor_ms else None,
-            "rel_err": rel_err, "peak_step_mib": peak_mib,
-            "cin": plan.cin, "cout": plan.cout, "k": plan.k, "v": plan.v,
+            "rel_err": rel_err, "cin": plan.cin, "cout": plan.cout, "k": plan.k, "v": plan.v,
             "nin": plan.nin, "nout": plan.nout, "p64": plan.p64,
             "padding_fraction": plan.padding_fraction, "note": note,
         }
