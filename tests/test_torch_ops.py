@@ -66,3 +66,24 @@ def test_opcheck(backend, rng):
         torch.library.opcheck(torch.ops.knnconv.backward.default,
                               (torch.randn_like(y), x, saved, weight, plan.handle, backend,
                                torch.float32, True, True, bias_dtype))
+
+
+@pytest.mark.parametrize("batch", [0, 17])
+def test_fake_forward_gives_the_cuda_re_layout_shape_the_real_op_returns(batch, rng):
+    # The real cuda op returns x's re-layout [Cin*Nin + 1, padded batch] for the backward, or
+    # an empty placeholder for an empty batch (served with x itself); the fake must agree.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    geometry = random_geometry(rng, nin=30, nout=12, k=5, v=9)
+    plan = knnconv.make_plan(geometry.knn_indices, geometry.rf_index, nin=30, v=9, cin=3,
+                             cout=6)
+    with FakeTensorMode():
+        x = torch.empty(batch, 3, 30, dtype=torch.float16)
+        weight = torch.empty(6, 27, dtype=torch.float16)
+        _, saved = torch.ops.knnconv.forward(x, weight, None, plan.handle, "cuda",
+                                             torch.float16, True)
+    if batch == 0:
+        assert saved.shape == (0,)
+    else:
+        assert saved.shape[0] == 3 * 30 + 1 and saved.shape[1] >= batch
+        assert saved.shape[1] % 16 == 0

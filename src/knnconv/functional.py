@@ -48,11 +48,11 @@ def validate_call(x, weight, bias, plan) -> None:
             raise ValueError(f"bias is on {bias.device} but x is on {x.device}")
 
 
-def compute_dtype(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.dtype:
+def compute_dtype(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  autocasting: bool) -> torch.dtype:
     """The dtype the backend computes in: autocast's when active, else the (common) input dtype."""
-    device_type = x.device.type
-    if device_type != "meta" and torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
+    if autocasting:
+        return torch.get_autocast_dtype(x.device.type)
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and t.dtype != x.dtype:
             raise TypeError(
@@ -140,14 +140,15 @@ def knn_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
 def knn_conv_with_backend(x, weight, bias, plan, backend="auto") -> tuple[torch.Tensor, str]:
     """Like :func:`knn_conv`, also returning the name of the backend that ran."""
     validate_call(x, weight, bias, plan)
-    dtype = compute_dtype(x, weight, bias)
+    device_type = x.device.type
+    autocasting = device_type != "meta" and torch.is_autocast_enabled(device_type)
+    dtype = compute_dtype(x, weight, bias, autocasting)
     ops = resolve_backend(backend, plan, x.device, dtype)
     if torch.compiler.is_compiling():
         from .torch_ops import knn_conv_op
 
         return knn_conv_op(x, weight, bias, plan, ops.name, dtype), ops.name
-    device_type = x.device.type
-    if device_type == "meta" or not torch.is_autocast_enabled(device_type):
+    if not autocasting:
         return KNNConvFunction.apply(x, weight, bias, plan, ops, dtype), ops.name
     with torch.autocast(device_type, enabled=False):  # the backend must not recast inside
         y = KNNConvFunction.apply(x, weight, bias, plan, ops, dtype)

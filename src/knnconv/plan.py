@@ -160,8 +160,8 @@ class KNNConvPlan:
         return plan
 
     def __getstate__(self) -> dict:
-        # Pickling and deep copies carry the host tables; device copies, derived tables and
-        # the lock are rebuilt on use.
+        # Pickling and deep copies carry the host tables and what was derived from them on the
+        # host; device copies (with their derived tables) and the lock are rebuilt on use.
         state = self.__dict__.copy()
         del state["_lock"]
         state["_per_device"] = {torch.device("cpu"): self._host}

@@ -19,20 +19,6 @@ def _plan(handle: int) -> KNNConvPlan:
     return KNNConvPlan.from_handle(handle)
 
 
-def _pack_saved(saved_x, x: torch.Tensor) -> torch.Tensor:
-    """The saved input as an op output: a backend's re-layout tensor, or an empty placeholder
-    when the backward should use x itself."""
-    return saved_x.xt if hasattr(saved_x, "xt") else x.new_empty(0)
-
-
-def _unpack_saved(saved: torch.Tensor, x: torch.Tensor, dtype: torch.dtype, plan: KNNConvPlan):
-    if saved.numel() == 0:
-        return x.to(dtype)
-    from .ops.cuda.launch import TransposedInput
-
-    return TransposedInput(saved, x.shape[0], plan.cin, plan.nin)
-
-
 @torch.library.custom_op("knnconv::forward", mutates_args=())
 def forward_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: int,
                backend: str, dtype: torch.dtype, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,26 +26,19 @@ def forward_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     backward (empty when the backward uses x itself)."""
     from .functional import forward_impl
 
-    y, saved_x = forward_impl(_plan(plan), get_ops(backend), x, weight, bias, dtype, keep)
-    return y.clone() if y._base is x else y, _pack_saved(saved_x, x)
-
-
-def _saved_shape(plan: KNNConvPlan, backend: str, batch, dtype: torch.dtype, keep: bool):
-    if not keep or backend != "cuda":
-        return (0,)
-    from .ops.cuda.configs import default_config
-    from .ops.cuda.launch import forward_batch_padding
-
-    cfg = default_config(batch, plan.cout, plan.p64, dtype, plan.nout)
-    return (plan.cin * plan.nin + 1,
-            forward_batch_padding(batch, cfg, plan.cin, plan.cout, plan.p64))
+    ops = get_ops(backend)
+    y, saved_x = forward_impl(_plan(plan), ops, x, weight, bias, dtype, keep)
+    if isinstance(saved_x, torch.Tensor):  # x itself: the backward takes it from its inputs
+        return y, x.new_empty(0)
+    return y, ops.saved_tensor(saved_x)
 
 
 @forward_op.register_fake
 def _(x, weight, bias, plan, backend, dtype, keep):
     layer = _plan(plan)
     y = x.new_empty(x.shape[0], layer.nout, layer.cout, dtype=dtype).transpose(1, 2)
-    return y, x.new_empty(_saved_shape(layer, backend, x.shape[0], dtype, keep), dtype=dtype)
+    layout = get_ops(backend).saved_layout(layer, x.shape[0], dtype) if keep else None
+    return y, x.new_empty(layout or (0,), dtype=dtype)
 
 
 @torch.library.custom_op("knnconv::backward", mutates_args=())
@@ -71,10 +50,13 @@ def backward_op(grad_y: torch.Tensor, x: torch.Tensor, saved: torch.Tensor,
     None when its gradient is not needed); empty where not needed."""
     from .functional import backward_impl
 
-    layer = _plan(plan)
-    saved_x = _unpack_saved(saved, x, dtype, layer) if need_w else None
+    layer, ops = _plan(plan), get_ops(backend)
+    saved_x = None
+    if need_w:
+        saved_x = (x.to(dtype) if saved.numel() == 0
+                   else ops.saved_input(saved, layer, x.shape[0]))
     need_b = bias_dtype is not None
-    grad_x, grad_w, grad_b = backward_impl(layer, get_ops(backend), grad_y, saved_x, weight,
+    grad_x, grad_w, grad_b = backward_impl(layer, ops, grad_y, saved_x, weight,
                                            (need_x, need_w, need_b),
                                            (x.dtype, weight.dtype, bias_dtype), dtype)
     return (grad_x if need_x else x.new_empty(0),

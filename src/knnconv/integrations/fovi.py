@@ -53,9 +53,6 @@ except ImportError as error:
 # something this module cannot know, so it is left as it is.
 _FORWARD_PATH = ("forward", "_pad_and_gather_knns", "_apply_local_rf", "_mask_invalid_outputs")
 
-# knnconv's pooling runs as plain torch ops; this is the ``last_backend`` of a routed pooling.
-
-
 class _Unroutable(Exception):
     """Why a layer cannot run through knnconv; accelerate reports it and leaves the layer."""
 
@@ -106,21 +103,10 @@ class _PlanRouter(_Router):
     def __init__(self, layer: nn.Module, backend: str) -> None:
         super().__init__(layer)
         self.backend = backend
-        self._plan = self._build_plan()
+        self.plan = self._build_plan()
 
     def _build_plan(self) -> KNNConvPlan:
         raise NotImplementedError
-
-    @property
-    def plan(self) -> KNNConvPlan:
-        if self._plan is None:
-            self._plan = self._build_plan()
-        return self._plan
-
-    def __getstate__(self) -> dict:
-        # A KNNConvPlan holds a lock and per-device caches, which neither pickle nor deepcopy;
-        # a copy rebuilds its plan from its layer's tables on its first call.
-        return {**self.__dict__, "_plan": None}
 
     def _zero_nodes_without_neighbours(self, y: torch.Tensor) -> torch.Tensor:
         """fovi's outputs are 0, bias included, at nodes whose neighbours are all padding."""
@@ -187,7 +173,8 @@ class _DepthwiseRouter(_PlanRouter):
     def _depthwise(self, x: torch.Tensor) -> torch.Tensor:
         plan, layer = self.plan, self.layer
         batch, channels, nin = x.shape
-        cells = torch.eye(plan.v, dtype=x.dtype, device=x.device)
+        cells = plan.derived(x.device, f"fovi_identity_{x.dtype}",
+                             lambda tables: torch.eye(plan.v, dtype=x.dtype, device=x.device))
         binned, layer.last_backend = knn_conv_with_backend(
             x.reshape(batch * channels, 1, nin), cells, None, plan, self.backend)
         binned = binned.reshape(batch, channels, plan.v, plan.nout)

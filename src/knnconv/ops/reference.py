@@ -15,11 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..plan import KNNConvPlan
-from .registry import KNNConvOps
-
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from .registry import KNNConvOps, accumulation_dtype
 
 
 class ReferenceOps(KNNConvOps):
@@ -43,7 +39,7 @@ class ReferenceOps(KNNConvOps):
     # dW = grad_y^T @ binned(x), and dx reads grad_y @ W back out of the cells (gather) and
     # scatters it through the neighbour table.
     def grad_input(self, plan, grad_y, weight):
-        acc = _accumulation_dtype(grad_y.dtype)
+        acc = accumulation_dtype(grad_y.dtype)
         tables = plan.on(grad_y.device)
         grad_binned = torch.einsum("bon,oq->bnq", grad_y.to(acc), weight.to(acc))
         batch = grad_y.shape[0]
@@ -56,5 +52,5 @@ class ReferenceOps(KNNConvOps):
         return grad_padded[:, :, : plan.nin]
 
     def grad_weight(self, plan, grad_y, x):
-        acc = _accumulation_dtype(grad_y.dtype)
+        acc = accumulation_dtype(grad_y.dtype)
         return torch.einsum("bon,bnq->oq", grad_y.to(acc), self._binned(plan, x.to(acc)))

@@ -14,6 +14,11 @@ import torch
 from ..plan import KNNConvPlan
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What gradients accumulate in: float64 for float64 inputs, float32 for the rest."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 class KNNConvOps:
     """Base class of a backend. Subclasses set ``name`` and implement the three primitives."""
 
@@ -37,6 +42,21 @@ class KNNConvOps:
         """y, and what the backward should receive as ``x``: x itself, unless the backend keeps
         a re-laid-out copy from the forward that spares the backward re-laying x out again."""
         return self.forward(plan, x, weight, bias), x
+
+    # The compiled path passes forward_saving's re-layout between its two custom ops as a
+    # tensor; these say its shape (for the ops' fake implementations) and convert it.
+    def saved_layout(self, plan: KNNConvPlan, batch: int, dtype: torch.dtype):
+        """Shape of the tensor form of forward_saving's re-layout of a [batch, Cin, Nin] x in
+        ``dtype``, or None when forward_saving returns x itself."""
+        return None
+
+    def saved_tensor(self, saved_x) -> torch.Tensor:
+        """forward_saving's re-layout as one tensor (only called when saved_layout is not None)."""
+        raise NotImplementedError
+
+    def saved_input(self, saved: torch.Tensor, plan: KNNConvPlan, batch: int):
+        """saved_tensor's result back as what gradients() takes for x."""
+        raise NotImplementedError
 
     def grad_input(self, plan: KNNConvPlan, grad_y: torch.Tensor,
                    weight: torch.Tensor) -> torch.Tensor:
@@ -69,8 +89,8 @@ class KNNConvOps:
         elif need_w:
             grad_w = self.grad_weight(plan, grad_y, x)
         if need_b:
-            acc = torch.float64 if grad_y.dtype == torch.float64 else torch.float32
-            grad_b = grad_y.sum(dim=(0, 2), dtype=acc).to(dtypes[2])
+            grad_b = grad_y.sum(dim=(0, 2), dtype=accumulation_dtype(grad_y.dtype))
+            grad_b = grad_b.to(dtypes[2])
         grad_x = grad_x.to(dtypes[0]).contiguous() if need_x else None
         grad_w = grad_w.to(dtypes[1]).contiguous() if need_w else None
         return grad_x, grad_w, grad_b

@@ -11,13 +11,9 @@ from __future__ import annotations
 import torch
 
 from ..plan import KNNConvPlan
-from .registry import KNNConvOps
+from .registry import KNNConvOps, accumulation_dtype
 
 DEFAULT_MEMORY_BUDGET = 256 * 2**20
-
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class TorchCompactOps(KNNConvOps):
@@ -66,7 +62,7 @@ class TorchCompactOps(KNNConvOps):
     def grad_input(self, plan, grad_y, weight):
         batch = grad_y.shape[0]
         input_slots, weight_slots = self._tables(plan, grad_y.device)
-        acc = _accumulation_dtype(grad_y.dtype)
+        acc = accumulation_dtype(grad_y.dtype)
         grad_flat = torch.zeros(batch, plan.cin * plan.nin + 1, dtype=acc, device=grad_y.device)
         weight_rows = weight.t().to(grad_y.dtype)
         for start, stop in self._node_chunks(plan, batch, grad_y.element_size()):
@@ -82,7 +78,7 @@ class TorchCompactOps(KNNConvOps):
     def grad_weight(self, plan, grad_y, x):
         batch = grad_y.shape[0]
         input_slots, weight_slots = self._tables(plan, grad_y.device)
-        acc = _accumulation_dtype(grad_y.dtype)
+        acc = accumulation_dtype(grad_y.dtype)
         grad_rows = torch.zeros(plan.q, plan.cout, dtype=acc, device=grad_y.device)
         flat = self._flat_input(plan, x.to(grad_y.dtype))
         for start, stop in self._node_chunks(plan, batch, grad_y.element_size()):

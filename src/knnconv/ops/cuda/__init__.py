@@ -42,6 +42,7 @@ from .launch import (
     backward,
     backward_combined,
     forward,
+    forward_batch_padding,
     grad_input,
     grad_weight,
     reverse_tables,
@@ -193,6 +194,19 @@ class CudaOps(KNNConvOps):
 
     def forward(self, plan, x, weight, bias):
         return self.forward_saving(plan, x, weight, bias)[0]
+
+    def saved_layout(self, plan, batch, dtype):
+        if batch == 0:  # functional.forward_impl serves an empty batch with x itself
+            return None
+        cfg = default_config(batch, plan.cout, plan.p64, dtype, plan.nout)
+        return (plan.cin * plan.nin + 1,
+                forward_batch_padding(batch, cfg, plan.cin, plan.cout, plan.p64))
+
+    def saved_tensor(self, saved_x):
+        return saved_x.xt
+
+    def saved_input(self, saved, plan, batch):
+        return TransposedInput(saved, batch, plan.cin, plan.nin)
 
     def gradients(self, plan, grad_y, x, weight, needs, dtypes):
         device, batch = grad_y.device, grad_y.shape[0]
