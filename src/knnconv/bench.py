@@ -294,9 +294,13 @@ def random_inputs(plan: KNNConvPlan, batch: int, dtype: torch.dtype,
     )
 
 
-def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
-    """||value - reference|| / ||reference||, in float64."""
-    return ((value.double() - reference).norm() / reference.norm()).item()
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| in float64 (NaN anywhere gives NaN, never a pass;
+    the absolute error when expected is all zeros)."""
+    expected = expected.double()
+    error = (actual.double() - expected).norm().item()
+    scale = expected.norm().item()
+    return error / scale if scale > 0 else error
 
 
 def unsupported_reason(backend: str, plan: KNNConvPlan, device: torch.device,
@@ -423,16 +427,12 @@ class Benchmark:
         if mode == "train_graph":
             return (*graph_replay_ms(train_step, self.device, **timing), None)
 
-        def forward_step() -> str:
+        def forward_step() -> tuple[torch.Tensor, str]:
             with torch.no_grad():
-                return knn_conv_with_backend(x, weight, bias, plan, backend)[1]
+                return knn_conv_with_backend(x, weight, bias, plan, backend)
 
-        median_ms, ran = time_calls(forward_step, self.device, **timing)
-        if reference is None:
-            return median_ms, ran, None
-        with torch.no_grad():
-            y = knn_conv_with_backend(x, weight, bias, plan, backend)[0]
-        return median_ms, ran, relative_error(y, reference)
+        median_ms, (y, ran) = time_calls(forward_step, self.device, **timing)
+        return median_ms, ran, None if reference is None else relative_error(y, reference)
 
     def _report_skip(self, backend: str, reason: str) -> None:
         if (backend, reason) not in self._reported_skips:
@@ -601,18 +601,15 @@ def _comma_list(convert: Callable[[str], Any], choices=None) -> Callable[[str], 
     return parse
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an int no smaller than ``minimum``."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
 
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -621,7 +618,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "AlexNet-like and ResNet-like layers")
     parser.add_argument("--layers", action="append", metavar="SUBSTR",
                         help="keep layers whose name contains SUBSTR (repeatable)")
-    parser.add_argument("--batches", type=_comma_list(_positive_int),
+    parser.add_argument("--batches", type=_comma_list(int_at_least(1)),
                         default=list(DEFAULT_BATCHES),
                         help="comma-separated batch sizes (default "
                              f"{','.join(map(str, DEFAULT_BATCHES))})")
@@ -634,9 +631,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated: forward, train, train_graph (the training "
                              "step replayed as a CUDA graph; cuda backend on a GPU only) "
                              "(default all)")
-    parser.add_argument("--warmup", type=_non_negative_int, default=3,
+    parser.add_argument("--warmup", type=int_at_least(0), default=3,
                         help="untimed calls per cell (default 3)")
-    parser.add_argument("--repeats", type=_positive_int, default=20,
+    parser.add_argument("--repeats", type=int_at_least(1), default=20,
                         help="timed calls per cell; the median is reported (default 20)")
     parser.add_argument("--check", action="store_true",
                         help="store each forward's relative error against the float64 reference")
@@ -652,7 +649,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=["alexnet", "resnet18"],
                         help="time a whole example network's training step (images/s) per "
                              "backend instead of single layers (reference is skipped)")
-    parser.add_argument("--resolution", type=_positive_int, default=64,
+    parser.add_argument("--resolution", type=int_at_least(1), default=64,
                         help="sensor resolution of the --model network")
 
 

@@ -16,13 +16,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .bench import device_description, forward_floor_ms, measure_ceilings, time_calls
+from .bench import (
+    TRAIN_FLOOR_FACTOR,
+    device_description,
+    forward_floor_ms,
+    measure_ceilings,
+    time_calls,
+)
 from .layers import KNNConv
 
 # The published recipes' batches as the KNN layers see them (images x fixations).
 NETWORKS = {"fovi-alexnet_a-0.5_res-64_rfmult-1": 512,
             "fovi-resnet18_a-0.5_res-64_rfmult-2": 2048}
-TRAIN_FLOOR_PASSES = 3  # forward + grad_input + grad_weight
 
 
 def network_layers(directory: Path, model: str, device, dtype) -> list[KNNConv]:
@@ -32,12 +37,12 @@ def network_layers(directory: Path, model: str, device, dtype) -> list[KNNConv]:
     for entry in index["layers"]:
         if entry["model"] != model or entry.get("kind") != "conv" or not entry.get("npz"):
             continue
-        tables = np.load(directory / entry["npz"])
-        layers.append(KNNConv(entry["Cin"], entry["Cout"],
-                              torch.from_numpy(tables["knn_indices_pad_token"]).long(),
-                              torch.from_numpy(tables["rf_index"]).long(),
-                              nin=int(tables["nin"]), v=int(tables["v"]), backend="cuda",
-                              bias=False).to(device, dtype))
+        with np.load(directory / entry["npz"]) as tables:
+            layers.append(KNNConv(entry["Cin"], entry["Cout"],
+                                  torch.from_numpy(tables["knn_indices_pad_token"]).long(),
+                                  torch.from_numpy(tables["rf_index"]).long(),
+                                  nin=int(tables["nin"]), v=int(tables["v"]), backend="cuda",
+                                  bias=False).to(device, dtype))
     return layers
 
 
@@ -80,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for model, batch in NETWORKS.items():
         layers = network_layers(args.geometry, model, device, torch.float16)
-        floor = sum(TRAIN_FLOOR_PASSES * forward_floor_ms(layer.plan, batch, ceilings)
+        floor = sum(TRAIN_FLOOR_FACTOR * forward_floor_ms(layer.plan, batch, ceilings)
                     for layer in layers)
         times = time_network(layers, batch, args.repeats)
         row = {"model": model, "batch": batch, "layers": len(layers), "dtype": "float16",

@@ -66,16 +66,8 @@ class Measurement:
     backward_s: float
 
     def errors(self, expected: Measurement) -> tuple[float, float, float]:
-        return (relative_error(self.y, expected.y), relative_error(self.grad_x, expected.grad_x),
-                relative_error(self.grad_w, expected.grad_w))
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """||actual - expected|| / ||expected|| in float64 (NaN anywhere gives NaN, never a pass)."""
-    expected = expected.double()
-    error = (actual.double() - expected).norm().item()
-    scale = expected.norm().item()
-    return error / scale if scale > 0 else error
+        return tuple(bench.relative_error(got, want) for got, want in (
+            (self.y, expected.y), (self.grad_x, expected.grad_x), (self.grad_w, expected.grad_w)))
 
 
 def worst(errors: list[float]) -> float:
@@ -167,6 +159,17 @@ def random_geometry(generator: torch.Generator, nin: int, nout: int, k: int,
     return knn_indices, rf_index, v
 
 
+def measure(ops: KNNConvOps, plan: KNNConvPlan, inputs: Inputs, dtype: torch.dtype,
+            device: torch.device, repeats: int, unsupported: Counter) -> Measurement | None:
+    """ops' forward+backward on ``inputs`` in ``dtype``, or None (counted in ``unsupported``)
+    where ops cannot serve the call."""
+    reason = ops.unsupported_reason(plan, device, dtype)
+    if reason is not None:
+        unsupported[ops.name, reason] += 1
+        return None
+    return forward_backward(plan, ops.name, inputs.to(dtype), repeats)
+
+
 def check(args: argparse.Namespace) -> int:
     device = pick_device(args.device)
     dtypes = selected_dtypes(args.dtype)
@@ -185,11 +188,9 @@ def check(args: argparse.Namespace) -> int:
         for ops in backends:
             errors, seconds = [], 0.0
             for (plan, inputs), reference in zip(cases, expected, strict=True):
-                reason = ops.unsupported_reason(plan, device, dtype)
-                if reason is not None:
-                    unsupported[ops.name, reason] += 1
+                measured = measure(ops, plan, inputs, dtype, device, args.repeats, unsupported)
+                if measured is None:
                     continue
-                measured = forward_backward(plan, ops.name, inputs.to(dtype), args.repeats)
                 errors.append(measured.errors(reference))
                 seconds += measured.forward_s + measured.backward_s
             if not errors:
@@ -236,11 +237,9 @@ def run(args: argparse.Namespace) -> int:
         for dtype in dtypes:
             expected = reference_measurement(plan, inputs.to(dtype))
             for ops in backends:
-                reason = ops.unsupported_reason(plan, device, dtype)
-                if reason is not None:
-                    unsupported[ops.name, reason] += 1
+                measured = measure(ops, plan, inputs, dtype, device, args.repeats, unsupported)
+                if measured is None:
                     continue
-                measured = forward_backward(plan, ops.name, inputs.to(dtype), args.repeats)
                 errors = measured.errors(expected)
                 passed = all(error <= TOLERANCES[dtype] for error in errors)
                 if not passed:
@@ -270,18 +269,8 @@ def selected_dtypes(names: list[str]) -> list[torch.dtype]:
     return list(DTYPES.values()) if "all" in names else [DTYPES[name] for name in names]
 
 
-def int_at_least(minimum: int):
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
-    positive_int = int_at_least(1)
+    positive_int = bench.int_at_least(1)
     parser = argparse.ArgumentParser(
         prog="knnconv", description="KNN convolution: check every backend against the "
         "reference, or run the foveated main job (the default).")
@@ -307,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_command.add_argument("--resolution", type=positive_int, default=64,
                              help="side of the image the sensor replaces")
     run_command.add_argument("--a", type=float, default=0.5, help="foveal magnification offset")
-    run_command.add_argument("--levels", type=int_at_least(2), default=5,
+    run_command.add_argument("--levels", type=bench.int_at_least(2), default=5,
                              help="layouts in the stack (one layer between each two)")
     run_command.add_argument("--channels", type=positive_int, default=32,
                              help="output channels of the first layer; each next one doubles")
@@ -323,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo_command.add_argument("--out", type=Path, default=Path("demo.png"), metavar="PNG",
                               help="where to write the figure (default demo.png)")
     demo_command.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    demo_command.add_argument("--limit", type=int_at_least(demo.MIN_DIGITS), metavar="N",
+    demo_command.add_argument("--limit", type=bench.int_at_least(demo.MIN_DIGITS), metavar="N",
                               help="use only the first N of the 1797 digits, for a quick run")
     return parser
 
