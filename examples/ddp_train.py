@@ -64,6 +64,9 @@ def main() -> None:
         model = DistributedDataParallel(model, device_ids=[device.index] if device.index is not None
                                         else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if args.global_batch % world:
+        raise SystemExit(f"--global-batch {args.global_batch} must split evenly over {world} "
+                         "processes to follow the one-process trajectory")
     share = args.global_batch // world
     losses = []
     for x, labels in global_batches(args.steps, args.global_batch, nin):

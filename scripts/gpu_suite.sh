@@ -8,8 +8,8 @@
 # "omegaconf==2.3.1" --python-version 3.12 --only-binary=:all: -d WHEEL_DIR, and
 # pip wheel --no-deps "antlr4-python3-runtime==4.9.3" -w WHEEL_DIR; its other imports are
 # common).
-# Results (h200*.json/csv/png, networks.json, demo.png) land in OUTDIR, every stage's log in
-# OUTDIR/logs.tar.gz; each stage's exit status and time are summarised in OUTDIR/summary.txt.
+# Results (h200*.json/csv/png, networks.json, demo.png) land in OUTDIR; every stage's log, and
+# the neighbourhood and re-layout benchmarks' JSON/PNG, in OUTDIR/logs.tar.gz; each stage's exit status and time are summarised in OUTDIR/summary.txt.
 # KNNCONV_STAGES="tests bench ..." runs only the stages named (install and wheels always run).
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUTDIR GEOMETRY_DIR}

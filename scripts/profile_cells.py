@@ -21,26 +21,22 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import knnconv
-from knnconv.bench import load_geometry_dir
+from knnconv.bench import load_geometry_dir, random_inputs
 
 
-def profile_cell(layer, batch: int, backend: str = "cuda") -> None:
+def profile_cell(layer, batch: int) -> None:
     device = torch.device("cuda")
     plan = layer.plan()
-    x = torch.randn(batch, plan.cin, plan.nin, device=device, dtype=torch.float16,
-                    requires_grad=True)
-    weight = (torch.randn(plan.cout, plan.q, device=device) / (plan.cin * plan.k) ** 0.5).half()
-    weight.requires_grad_()
-    bias = torch.randn(plan.cout, device=device, dtype=torch.float16, requires_grad=True)
-    grad = torch.randn(batch, plan.cout, plan.nout, device=device, dtype=torch.float16)
+    inputs = random_inputs(plan, batch, torch.float16, device)
+    x, weight, bias, grad = inputs.x, inputs.weight, inputs.bias, inputs.grad_y
 
     def step():
-        y = knnconv.knn_conv(x, weight, bias, plan, backend)
+        y = knnconv.knn_conv(x, weight, bias, plan, "cuda")
         y.backward(grad)
 
     def forward():
         with torch.no_grad():
-            knnconv.knn_conv(x, weight, bias, plan, backend)
+            knnconv.knn_conv(x, weight, bias, plan, "cuda")
 
     for _ in range(3):
         step()

@@ -6,12 +6,9 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 
-
-def geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
+from knnconv.bench import geomean
 
 
 def graph_cells(row: dict | None) -> str:
@@ -25,7 +22,7 @@ def main(path: str) -> None:
     result = json.loads(open(path).read())
     cells: dict[tuple[str, int], dict[str, dict]] = {}
     for row in result["rows"]:
-        if row["backend"] == "cuda" and row["status"] == "ok":
+        if row["backend"] == "cuda" and row["status"] == "ok" and row["dtype"] == "float16":
             cells.setdefault((row["layer"], row["batch"]), {})[row["mode"]] = row
     ceilings = result["ceilings"]
     print(f"# knnconv cuda backend vs the anchor, {result['device']}, fp16\n")

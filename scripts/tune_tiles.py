@@ -6,8 +6,8 @@ scatter, nodes per CTA) on real layer geometries (GPU).
 KNNCONV_TUNE_FAMILIES=forward,grad_weight (comma-separated) limits the families tuned.
 
 Median of CUDA-event-timed calls of the family's entry point (the backward ones include the
-grad_y re-layout, the same for every config); the fastest config per (family, cell) is
-printed and written, for tiles.json.
+grad_y re-layout, the same for every config); every timing is written, and the fastest
+config per (family, cell) printed, for tiles.json.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from knnconv import KNNConvPlan, available_backends, get_ops, make_plan
+from knnconv.bench import relative_error
 
 
 @dataclass(frozen=True)
@@ -124,12 +125,7 @@ def oracle_knn_conv(x, weight, bias, geometry: Geometry) -> torch.Tensor:
     return y if bias is None else y + bias.double()[None, :, None]
 
 
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """||actual - expected|| / ||expected|| in float64 (the absolute error when expected is 0)."""
-    actual, expected = actual.double(), expected.double()
-    scale = expected.norm().item()
-    error = (actual - expected).norm().item()
-    return error / scale if scale > 0 else error
+rel_err = relative_error  # ||actual - expected|| / ||expected|| in float64
 
 
 def _serves_cpu(name: str) -> bool:

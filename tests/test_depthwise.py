@@ -118,7 +118,7 @@ def test_separable_gradcheck(rng):
     assert torch.autograd.gradcheck(call_with(layer), (x, *layer.parameters()))
 
 
-def test_from_coords_and_device_tables():
+def test_from_coords_builds_the_tables_and_parameters():
     in_coords, out_coords = foveated_stack(resolution=12, levels=2)
     knn_indices, rf_index, v = knn_geometry(in_coords, out_coords, 9)
 

@@ -68,6 +68,7 @@ def test_tables_without_values_are_rejected_by_name(geometry, table):
         make_plan(**tables, nin=geometry.nin, v=geometry.v, cin=3, cout=5)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device for the tables")
 def test_tables_on_cuda_build_the_same_plan(geometry, plan):
     on_cuda = make_plan(geometry.knn_indices.cuda(), geometry.rf_index.cuda(), nin=geometry.nin,
@@ -199,7 +200,7 @@ def test_inference_mode_matches_oracle(rng, geometry, plan, backend):
     assert rel_err(y, oracle_knn_conv(x, weight, bias, geometry)) < 3e-2
 
 
-def test_empty_batch_under_autocast_keeps_shapes_and_master_dtypes(rng, geometry):
+def test_empty_batch_under_autocast_keeps_shapes_and_master_dtypes(geometry):
     conv = knnconv.KNNConv(3, 5, geometry.knn_indices, geometry.rf_index, nin=geometry.nin,
                            v=geometry.v)
     x = torch.randn(0, 3, geometry.nin, requires_grad=True)

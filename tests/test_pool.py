@@ -117,6 +117,7 @@ def test_table_follows_the_module_but_stays_out_of_the_state_dict(rng):
     assert layer.state_dict() == {}
     x = torch.randn(2, 3, geometry.nin, generator=rng, dtype=torch.float16)
     assert layer(x).dtype == torch.float16
+    assert layer.to("meta").knn_indices.device.type == "meta"
 
 
 def test_empty_batch(rng):

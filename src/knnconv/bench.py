@@ -320,7 +320,7 @@ def release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _geomean(values: list[float]) -> float:
+def geomean(values: list[float]) -> float:
     return math.exp(statistics.fmean(math.log(value) for value in values))
 
 
@@ -488,11 +488,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "statuses": dict(statuses),
         "pct_of_floor_geomean": [
-            {"backend": backend, "mode": mode, "geomean": _geomean(values), "cells": len(values)}
+            {"backend": backend, "mode": mode, "geomean": geomean(values), "cells": len(values)}
             for (backend, mode), values in pct.items()
         ],
         "train_speedup_vs_anchor_geomean": [
-            {"backend": backend, "geomean": _geomean(values), "cells": len(values)}
+            {"backend": backend, "geomean": geomean(values), "cells": len(values)}
             for backend, values in speedup.items()
         ],
     }

@@ -5,8 +5,6 @@ on the CPU."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -60,7 +58,7 @@ def check_accelerated_model(device: torch.device, autocast_dtype, backend: str, 
     """Our errors against fovi's own float64 forward and gradients stay within twice those of
     fovi's own layers under the same autocast dtype (on the CPU), then the model trains."""
     reference = fovi_model().double()
-    ours = copy.deepcopy(fovi_model())
+    ours = fovi_model()  # seeded: the same weights as the reference
     model, report = accelerate_with_report(ours)
     assert model is ours and [entry.name for entry in report.routed] == ROUTED
     assert not report.left

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -24,7 +25,9 @@ def test_transpose_tile_narrows_to_a_small_extent(dst_a, dst_c, expected):
     assert (log_a, log_c) == expected
     assert log_a + log_c == LOG_TRANSPOSE_ELEMENTS
 
-requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+requires_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None,
+    reason="needs a CUDA device and CuPy")
 
 
 @pytest.mark.gpu
