@@ -1,6 +1,7 @@
-"""GPU time of the cuda backend's operand re-layouts (transpose_pad) on shapes of the published
-layers at B = 2048, against torch copying the same bytes (a permuted .contiguous() with the
-same dtype conversion, one copy_ kernel) in the same run: the re-layouts' share of the copy ceiling.
+"""GPU time of the cuda backend's operand re-layouts (transpose_pad, transpose_pairs) on shapes of
+the published layers at B = 2048, against torch copying the same bytes (a permuted
+.contiguous() with the same dtype conversion, one copy_ kernel) in the same run: the
+re-layouts' share of the copy ceiling.
 
     python scripts/bench_relayouts.py OUT.json
 
@@ -18,7 +19,7 @@ import sys
 
 import torch
 
-from knnconv.ops.cuda.launch import _Transpose, transpose_tile_log2
+from knnconv.ops.cuda.launch import PAIRS_TILE, _Transpose, transpose_tile_log2
 
 DEVICE = torch.device("cuda")
 B = 2048
@@ -58,11 +59,14 @@ def case(name, src, src_strides, src_extents, dst_extents, dst_strides, dst_dtyp
     copy_ms = gpu_ms(torch_copy)
     moved = src.numel() * src.element_size() + dst.numel() * dst.element_size()
     log_a, log_c = transpose_tile_log2(dst_extents[1], dst_extents[2])
-    row = {"relayout": name, "tile": [2**log_a, 2**log_c], "grid": list(relayout.grid),
+    pairs = relayout.uses_pairs(src.data_ptr(), dst.data_ptr(), src_strides)
+    row = {"relayout": name, "kernel": "transpose_pairs" if pairs else "transpose_pad",
+           "tile": [PAIRS_TILE] * 2 if pairs else [2**log_a, 2**log_c],
            "ms": ms, "torch_copy_ms": copy_ms, "gbps": moved / ms / 1e6,
            "torch_copy_gbps": moved / copy_ms / 1e6, "bytes": moved}
-    print(f"{name:34} tile {row['tile']!s:11} {ms * 1e3:8.1f} us {row['gbps']:7.0f} GB/s   "
-          f"torch copy {copy_ms * 1e3:8.1f} us {row['torch_copy_gbps']:7.0f} GB/s")
+    print(f"{name:30} {row['kernel']:15} {row['tile']!s:10} {ms * 1e3:8.1f} us "
+          f"{row['gbps']:7.0f} GB/s   torch copy {copy_ms * 1e3:8.1f} us "
+          f"{row['torch_copy_gbps']:7.0f} GB/s")
     return row
 
 
@@ -78,6 +82,8 @@ def main(out: str) -> None:
     rows.append(case("conv1 grad_y -> gt (+bias)", g, (g.stride(1), g.stride(0), 1),
                      (64, B, 964), (64, B, 964), (B, 64 * B), half,
                      lambda: g.permute(2, 1, 0).contiguous(), with_sums=True))
+    rows.append(case("conv1 grad_y -> gt", g, (g.stride(1), g.stride(0), 1), (64, B, 964),
+                     (64, B, 964), (B, 64 * B), half, lambda: g.permute(2, 1, 0).contiguous()))
     # conv1 dx staging fp32 [Cin*Nin, B] -> dx [B, Cin*Nin] fp16 (scatter algorithm)
     s = torch.randn(3 * 4085, B, device=DEVICE)
     dx = torch.empty(B, 3 * 4085, device=DEVICE, dtype=half)

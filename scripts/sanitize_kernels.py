@@ -22,6 +22,7 @@ EDGE_SHAPES = [  # (batch, cin, cout, nin, nout, k, v, padding)
     (17, 5, 63, 40, 7, 9, 36, 0.3),
     (129, 64, 65, 30, 3, 9, 9, 0.8),
     (33, 3, 130, 4, 5, 8, 9, 0.0),  # K > Nin: padding slots
+    (64, 8, 34, 200, 96, 9, 9, 0.2),  # even strides, wide extents: transpose_pairs
 ]
 
 

@@ -32,7 +32,8 @@ def default_instantiations() -> list[str]:
             for dtype in (torch.float16, torch.bfloat16):
                 names.add(kernel_name(family, dtype, cfg))
     floats = (torch.float32, torch.float16, torch.bfloat16)
-    names.update(transpose_name(source, target) for source in floats for target in floats)
+    names.update(transpose_name(source, target, pairs) for source in floats for target in floats
+                 for pairs in (False, True))
     for dtype in floats:  # the pooling / depthwise kernels, in every dtype they serve
         names.update(neighbourhood_name("knn_pool_forward", dtype, mode=mode)
                      for mode in POOL_MODE_CODES.values())

@@ -125,6 +125,16 @@ def test_entries_match_reference_on_edge_geometries(dtype, knobs, batch, algorit
     check_all_entries(*case, algorithm=algorithm)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("algorithm", ("gather", "scatter"))
+def test_entries_match_reference_where_relayouts_take_two_element_accesses(dtype, algorithm):
+    # Every size above has an odd batch, so no re-layout there meets transpose_pairs' even
+    # strides; an even batch of 64 and 96 nodes takes it for x, grad_y and the scatter's dx.
+    case = make_case(64096, batch=64, cin=8, cout=34, dtype=dtype, nin=200, nout=96, k=9,
+                     padding=0.2)
+    check_all_entries(*case, algorithm=algorithm)
+
+
 EXPLICIT = {
     "forward": [configs.KernelConfig(16, 32, 16, 2, 2, 1, 3, True, 8),
                 configs.KernelConfig(32, 64, 64, 1, 2, 2, 2, False, 8)],

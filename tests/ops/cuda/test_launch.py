@@ -25,6 +25,7 @@ def test_transpose_tile_narrows_to_a_small_extent(dst_a, dst_c, expected):
     assert (log_a, log_c) == expected
     assert log_a + log_c == LOG_TRANSPOSE_ELEMENTS
 
+
 requires_gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None,
     reason="needs a CUDA device and CuPy")
@@ -35,18 +36,24 @@ requires_gpu = pytest.mark.skipif(
 @pytest.mark.parametrize("src_dtype,dst_dtype", [
     (torch.float16, torch.float16), (torch.float32, torch.float16),
     (torch.bfloat16, torch.float32)], ids=str)
-@pytest.mark.parametrize("extents,skip", [
-    ((3, 65, 70, 80, 71), 0),  # odd extents, padding past both: the 32 x 32 tile
-    ((3, 65, 70, 80, 71), 1),  # a source starting one element into its storage
-    ((2, 200, 2, 208, 2), 0),  # two columns: a narrow tile
-    ((1, 9, 300, 16, 301), 0),  # nine rows
+@pytest.mark.parametrize("extents,kernel", [
+    ((3, 65, 70, 80, 71), "pairs"),  # odd extents, padding past both
+    ((2, 130, 34, 130, 35), "pairs"),
+    ((2, 200, 2, 208, 2), "narrow"),  # two columns: transpose_pad's narrow tile
+    ((1, 9, 300, 16, 301), "narrow"),
+    ((3, 65, 70, 80, 71), "misaligned"),  # a source one element off: no pair accesses
+    ((2, 40, 69, 48, 70), "odd_width"),  # rows padded to 70: pairs, then one odd last column
 ])
-def test_transpose_matches_torch_with_padding_and_sums(src_dtype, dst_dtype, extents, skip):
+def test_transpose_matches_torch_with_padding_and_sums(src_dtype, dst_dtype, extents, kernel):
     z, a, c, dst_a, dst_c = extents
-    storage = torch.randn(z * a * c + skip, device="cuda").to(src_dtype)
-    src = storage[skip:].view(z, a, c)
+    skip = 1 if kernel == "misaligned" else 0
+    pitch = c + 1 if kernel == "odd_width" else c
+    storage = torch.randn(z * a * pitch + skip, device="cuda").to(src_dtype)
+    src = storage[skip:].view(z, a, pitch)[:, :, :c]
     relayout = _Transpose(src_dtype, dst_dtype, 0, (z, a, c), (z, dst_a, dst_c),
                           (dst_c * dst_a, dst_a), sums_z=True)
+    assert relayout.uses_pairs(src.data_ptr(), 0, src.stride()) == (
+        kernel in ("pairs", "odd_width"))
     dst = torch.full((z, dst_c, dst_a), math.nan, dtype=dst_dtype, device="cuda")
     sums = torch.zeros(z, device="cuda")
     relayout(src, dst.data_ptr(), src.stride(), sums.data_ptr())

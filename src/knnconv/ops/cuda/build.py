@@ -102,8 +102,10 @@ def kernel_name(family: str, dtype: torch.dtype, cfg: KernelConfig) -> str:
             f"{'true' if reverse else 'false'}>")
 
 
-def transpose_name(source: torch.dtype, target: torch.dtype) -> str:
-    return f"knnconv::transpose_pad<{SCALAR_TYPES[source]}, {SCALAR_TYPES[target]}>"
+def transpose_name(source: torch.dtype, target: torch.dtype, pairs: bool = False) -> str:
+    """transpose_pad, or with ``pairs`` transpose_pairs (two-element accesses)."""
+    kernel = "transpose_pairs" if pairs else "transpose_pad"
+    return f"knnconv::{kernel}<{SCALAR_TYPES[source]}, {SCALAR_TYPES[target]}>"
 
 
 _modules: dict[tuple[str, int], CompiledKernel] = {}

@@ -41,6 +41,7 @@ LOG_TRANSPOSE_ELEMENTS, TRANSPOSE_THREADS = 10, 256  # knn_common.cuh
 # A summing transpose runs about this many CTAs per SM (enough to fill it), each looping over
 # a tiles, so each z_sums address takes as few atomics as that allows.
 SUMMING_CTAS_PER_SM = 16
+PAIRS_TILE = 64  # transpose_pairs' kTile
 MAX_KERNEL_ARGS = 16
 _thread_state = threading.local()
 
@@ -137,7 +138,11 @@ def transpose_tile_log2(dst_a: int, dst_c: int) -> tuple[int, int]:
 class _Transpose:
     """dst[z, c, a] = src[z, a, c] for every (z, a, c) of ``dst_extents``, zero wherever it
     lies past ``src_extents``. Extents are (z, a, c); dst_strides are dst's (z, c) strides
-    (its a stride is 1); the source strides are given per call."""
+    (its a stride is 1); the source strides are given per call.
+
+    Two kernels: transpose_pad with a tile shaped to the extents, and, where both extents are
+    wide and a call's strides and addresses allow two-element accesses, transpose_pairs.
+    """
 
     def __init__(self, src_dtype, dst_dtype, device_index: int, src_extents, dst_extents,
                  dst_strides, *, sums_z: bool = False) -> None:
@@ -146,20 +151,44 @@ class _Transpose:
         self.kernel = get_kernel(transpose_name(src_dtype, dst_dtype), device_index)
         self.device_index = device_index
         log_a, log_c = transpose_tile_log2(dst_a, dst_c)
-        c_tiles, a_tiles = -(-dst_c >> log_c), -(-dst_a >> log_a)
-        if sums_z:
-            wanted = SUMMING_CTAS_PER_SM * _multiprocessors(device_index)
-            a_tiles = min(a_tiles, -(-wanted // (c_tiles * dst_z)))
-        self.grid = (c_tiles, a_tiles, dst_z)
+        self.grid = self._grid(1 << log_a, 1 << log_c, dst_extents, sums_z)
         self.static = (*src_extents, dst_a, dst_c, *dst_strides)
         self.log_tile_c = log_c
+        self.pairs_kernel = None
+        if (log_a, log_c) == (5, 5) and all(stride % 2 == 0 for stride in dst_strides):
+            self.pairs_kernel = get_kernel(transpose_name(src_dtype, dst_dtype, pairs=True),
+                                           device_index)
+            self.pairs_grid = self._grid(PAIRS_TILE, PAIRS_TILE, dst_extents, sums_z)
+            self.pair_bytes = (2 * torch.empty((), dtype=src_dtype).element_size(),
+                               2 * torch.empty((), dtype=dst_dtype).element_size())
+
+    def _grid(self, tile_a: int, tile_c: int, dst_extents, sums_z: bool) -> tuple:
+        dst_z, dst_a, dst_c = dst_extents
+        c_tiles, a_tiles = -(-dst_c // tile_c), -(-dst_a // tile_a)
+        if sums_z:
+            wanted = SUMMING_CTAS_PER_SM * _multiprocessors(self.device_index)
+            a_tiles = min(a_tiles, -(-wanted // (c_tiles * dst_z)))
+        return c_tiles, a_tiles, dst_z
 
     def __call__(self, src: torch.Tensor, dst: int, src_strides, z_sums: int = 0) -> None:
         """dst and z_sums are device addresses (z_sums: float32 [z], 0 for none)."""
         self.launch_raw(src.data_ptr(), dst, src_strides, z_sums)
 
+    def uses_pairs(self, src: int, dst: int, src_strides) -> bool:
+        """Whether a call with these addresses and source strides takes transpose_pairs."""
+        stride_z, stride_a, stride_c = src_strides
+        return (self.pairs_kernel is not None and stride_c == 1 and stride_a % 2 == 0
+                and stride_z % 2 == 0 and src % self.pair_bytes[0] == 0
+                and dst % self.pair_bytes[1] == 0)
+
     def launch_raw(self, src: int, dst: int, src_strides, z_sums: int = 0) -> None:
         z, a, c, dst_a, dst_c, dst_sz, dst_sc = self.static
+        if self.uses_pairs(src, dst, src_strides):
+            _launch(self.pairs_kernel, self.device_index, self.pairs_grid,
+                    (TRANSPOSE_THREADS, 1, 1), 0, (src, dst, z, a, c, src_strides[0],
+                                                   src_strides[1], dst_a, dst_c, dst_sz, dst_sc,
+                                                   z_sums))
+            return
         _launch(self.kernel, self.device_index, self.grid, (TRANSPOSE_THREADS, 1, 1), 0,
                 (src, dst, z, a, c, *src_strides, dst_a, dst_c, dst_sz, dst_sc, z_sums,
                  self.log_tile_c))

@@ -398,6 +398,30 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
   });
 }
 
+// Two consecutive elements, accessed as one aligned 2 x sizeof(T) load or store.
+template <typename T>
+struct alignas(2 * sizeof(T)) Pair {
+  T first, second;
+};
+
+// *sum += the sum of `value` over the CTA (kTransposeThreads threads, all of which call it),
+// one fp32 atomic per CTA.
+__device__ __forceinline__ void add_block_sum(float* sum, float value) {
+  __shared__ float warp_sums[kTransposeThreads / kWarp];
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    value += __shfl_down_sync(0xffffffffu, value, offset);
+  }
+  if (threadIdx.x % kWarp == 0) warp_sums[threadIdx.x / kWarp] = value;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float block_sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kTransposeThreads / kWarp; ++w) block_sum += warp_sums[w];
+    atomicAdd(sum, block_sum);
+  }
+}
+
 // dst[z*dst_stride_z + c*dst_stride_c + a] = src[z*src_stride_z + a*src_stride_a + c*src_stride_c]:
 // a batch of 2-D transposes through a shared tile of kTransposeElements, converting the type
 // and writing zeros wherever (z, a, c) lies past the source extents. The tile spans
@@ -419,7 +443,6 @@ __global__ void __launch_bounds__(kTransposeThreads, 8)
                   float* __restrict__ z_sums, int log_tile_c) {
   // One padding float per tile row: column reads of the store phase avoid bank conflicts.
   __shared__ float tile[2 * kTransposeElements];
-  __shared__ float warp_sums[kTransposeThreads / kWarp];
   const int tile_c = 1 << log_tile_c, pitch = tile_c + 1;
   const int log_tile_a = kLogTransposeElements - log_tile_c;
   const int c0 = blockIdx.x << log_tile_c;
@@ -431,15 +454,26 @@ __global__ void __launch_bounds__(kTransposeThreads, 8)
   const long long a_step = static_cast<long long>(gridDim.y) << log_tile_a;
   for (long long a0 = static_cast<long long>(blockIdx.y) << log_tile_a; a0 < dst_a;
        a0 += a_step) {
-    for (int e = threadIdx.x; e < kTransposeElements; e += kTransposeThreads) {
+    // Every load of the tile is issued before the first shared store: loaded and stored one
+    // at a time, a thread kept one load in flight and the re-layouts ran latency bound at
+    // ~1 TB/s (Nsight Compute: 16% of DRAM throughput at 91% occupancy, session 3).
+    float values[kTransposeElements / kTransposeThreads];
+#pragma unroll
+    for (int k = 0; k < kTransposeElements / kTransposeThreads; ++k) {
+      const int e = threadIdx.x + k * kTransposeThreads;
       const int i = e >> log_tile_c, j = e & (tile_c - 1);
       const long long a = a0 + i;
       const int c = c0 + j;
-      const bool inside = z < src_z && a < src_a && c < src_c;
-      const float value =
-          inside ? to_float(src_z_base[a * src_stride_a + c * src_stride_c]) : 0.0f;
-      tile[i * pitch + j] = value;
-      slice_sum += value;
+      values[k] = 0.0f;
+      if (z < src_z && a < src_a && c < src_c) {
+        values[k] = to_float(src_z_base[a * src_stride_a + c * src_stride_c]);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kTransposeElements / kTransposeThreads; ++k) {
+      const int e = threadIdx.x + k * kTransposeThreads;
+      tile[(e >> log_tile_c) * pitch + (e & (tile_c - 1))] = values[k];
+      slice_sum += values[k];
     }
     __syncthreads();
     for (int e = threadIdx.x; e < kTransposeElements; e += kTransposeThreads) {
@@ -452,20 +486,79 @@ __global__ void __launch_bounds__(kTransposeThreads, 8)
     }
     __syncthreads();
   }
-  if (z_sums != nullptr) {
+  if (z_sums != nullptr && z < src_z) add_block_sum(z_sums + z, slice_sum);
+}
+
+// dst[z, c, a] = src[z, a, c] like transpose_pad, for 32 x 32-or-wider problems whose rows
+// allow two-element accesses (the host checks: src contiguous along c, dst along a, even
+// strides, pointers aligned to two elements): each thread loads pairs of c and stores pairs of
+// a through a 64 x 64 tile. Single-element accesses moved conv1's grad_y at ~1 TB/s, latency
+// bound (16% of DRAM throughput at 91% occupancy); pairs moved it at 3.4 TB/s (prototype,
+// session 3). Grid and z_sums as transpose_pad, with 64-element tiles. No minimum CTAs per SM
+// in the launch bounds: eight loads in flight per thread take ~48 registers, and capping them
+// at 40 (six CTAs) or 48 (five) made ptxas spill.
+template <typename TIn, typename TOut>
+__global__ void __launch_bounds__(kTransposeThreads)
+    transpose_pairs(const TIn* __restrict__ src, TOut* __restrict__ dst, int src_z, int src_a,
+                    int src_c, long long src_stride_z, long long src_stride_a, int dst_a,
+                    int dst_c, long long dst_stride_z, long long dst_stride_c,
+                    float* __restrict__ z_sums) {
+  constexpr int kTile = 64, kPitch = kTile + 1, kRowsPerPass = kTransposeThreads / kWarp;
+  __shared__ float tile[kTile * kPitch];
+  const int lane = threadIdx.x % kWarp, row = threadIdx.x / kWarp;
+  const int c0 = blockIdx.x * kTile;
+  const int z = blockIdx.z;
+  const TIn* src_z_base = src + z * src_stride_z;
+  TOut* dst_z_base = dst + z * dst_stride_z;
+  float slice_sum = 0.0f;
+  const long long a_step = static_cast<long long>(gridDim.y) * kTile;
+  for (long long a0 = static_cast<long long>(blockIdx.y) * kTile; a0 < dst_a; a0 += a_step) {
+    // All pair loads first, then the rare odd last column, then the shared stores (see
+    // transpose_pad): one load in flight per thread kept this kernel latency bound.
+    Pair<TIn> loaded[kTile / kRowsPerPass];
+    const int c = c0 + 2 * lane;
 #pragma unroll
-    for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-      slice_sum += __shfl_down_sync(0xffffffffu, slice_sum, offset);
+    for (int k = 0; k < kTile / kRowsPerPass; ++k) {
+      const long long a = a0 + row + k * kRowsPerPass;
+      loaded[k] = {from_float<TIn>(0.0f), from_float<TIn>(0.0f)};
+      if (z < src_z && a < src_a && c + 1 < src_c) {
+        loaded[k] = *reinterpret_cast<const Pair<TIn>*>(src_z_base + a * src_stride_a + c);
+      }
     }
-    if (threadIdx.x % kWarp == 0) warp_sums[threadIdx.x / kWarp] = slice_sum;
+    if (c + 1 == src_c) {
+#pragma unroll
+      for (int k = 0; k < kTile / kRowsPerPass; ++k) {
+        const long long a = a0 + row + k * kRowsPerPass;
+        if (z < src_z && a < src_a) loaded[k].first = src_z_base[a * src_stride_a + c];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kTile / kRowsPerPass; ++k) {
+      const int i = row + k * kRowsPerPass, j = 2 * lane;
+      const float first = to_float(loaded[k].first), second = to_float(loaded[k].second);
+      tile[i * kPitch + j] = first;
+      tile[i * kPitch + j + 1] = second;
+      slice_sum += first + second;
+    }
     __syncthreads();
-    if (threadIdx.x == 0 && z < src_z) {
-      float block_sum = 0.0f;
 #pragma unroll
-      for (int w = 0; w < kTransposeThreads / kWarp; ++w) block_sum += warp_sums[w];
-      atomicAdd(z_sums + z, block_sum);
+    for (int k = 0; k < kTile / kRowsPerPass; ++k) {
+      const int j = row + k * kRowsPerPass, i = 2 * lane;
+      const int c = c0 + j;
+      const long long a = a0 + i;
+      if (c < dst_c && a < dst_a) {
+        TOut* at = dst_z_base + c * dst_stride_c + a;
+        const TOut first = from_float<TOut>(tile[i * kPitch + j]);
+        if (a + 1 < dst_a) {
+          *reinterpret_cast<Pair<TOut>*>(at) = {first, from_float<TOut>(tile[(i + 1) * kPitch + j])};
+        } else {
+          *at = first;
+        }
+      }
     }
+    __syncthreads();
   }
+  if (z_sums != nullptr && z < src_z) add_block_sum(z_sums + z, slice_sum);
 }
 
 }  // namespace knnconv
