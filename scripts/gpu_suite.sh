@@ -9,7 +9,9 @@
 # pip wheel --no-deps "antlr4-python3-runtime==4.9.3" -w WHEEL_DIR; its other imports are
 # common).
 # Results (h200*.json/csv/png, networks.json, demo.png) land in OUTDIR; every stage's log, and
-# the neighbourhood and re-layout benchmarks' JSON/PNG, in OUTDIR/logs.tar.gz; each stage's exit status and time are summarised in OUTDIR/summary.txt.
+# the neighbourhood, re-layout and same-run anchor benchmarks' JSON/PNG (the anchor stage needs
+# fovi, from WHEEL_DIR), in OUTDIR/logs.tar.gz; each stage's exit status and time are
+# summarised in OUTDIR/summary.txt.
 # KNNCONV_STAGES="tests bench ..." runs only the stages named (install and wheels always run).
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUTDIR GEOMETRY_DIR}
@@ -51,6 +53,7 @@ stage initcheck 40 compute-sanitizer --tool initcheck --error-exitcode 9 \
 stage synccheck 40 compute-sanitizer --tool synccheck --error-exitcode 9 \
   python3 scripts/sanitize_kernels.py
 stage relayouts 60 python3 scripts/bench_relayouts.py "$out/logs/relayouts.json"
+stage anchor 240 python3 scripts/bench_anchor.py "$geometry" "$out/logs/anchor.json"
 stage neighbourhood 120 python3 scripts/bench_neighbourhood.py "$out/logs/neighbourhood.json"
 stage demo 60 python3 -m knnconv demo --out "$out/demo.png"
 stage profile 60 env KNNCONV_CPROFILE=1 python3 scripts/profile_cells.py "$geometry" \

@@ -76,9 +76,18 @@ def test_freed_input_memory_reused_by_another_tensor_gives_its_own_result():
     assert len(addresses) == 1
 
 
-def test_threads_first_using_a_kernel_compile_it_once():
+def test_threads_first_using_a_kernel_compile_it_once(monkeypatch):
     layer = two_layers_on_one_input(torch.Generator().manual_seed(23))[1]
     knnconv.ops.cuda.clear_kernel_cache()
+    compiled = []  # every kernel name handed to NVRTC, once per compilation
+    cupy = build.import_cupy()
+    compile_module = cupy.RawModule
+
+    def counting_compile(*args, **kwargs):
+        compiled.extend(kwargs["name_expressions"])
+        return compile_module(*args, **kwargs)
+
+    monkeypatch.setattr(cupy, "RawModule", counting_compile)
     x = torch.randn(250, 8, 80, device=DEVICE, dtype=torch.float16)  # a batch not used before
     expected = knnconv.get_ops("reference").forward(layer.plan, x.double(),
                                                     layer.weight.double(), layer.bias.double())
@@ -95,6 +104,8 @@ def test_threads_first_using_a_kernel_compile_it_once():
         thread.start()
     for thread in threads:
         thread.join()
-    assert build.compiled_kernel_count() == 2  # the x re-layout and the forward GEMM
+    assert any("knn_forward" in name for name in compiled)
+    assert sorted(compiled) == sorted(set(compiled)), "a kernel was compiled twice"
+    assert build.compiled_kernel_count() == len(compiled)
     for result in results:
         assert rel_err(result, expected) < 2e-3

@@ -1,0 +1,199 @@
+"""The anchor measured in the same run as knnconv's cuda backend: fovi 2.4.0's native-CUDA
+KNN convolution (`fovi.arch.knn_cuda` through its `KNNConvFunction`, the system of
+shared/anchors.md) against `knnconv.knn_conv(..., "cuda")` on the same layers, operands and
+host, timed as `knnconv bench` times (median of CUDA-event-bracketed calls after warm-up,
+gradients cleared between calls), with the peak temporary memory of one training step:
+torch.cuda.max_memory_allocated above what was allocated before the step (operands and
+caches), and what each keeps allocated after its first steps (caches).
+
+    python scripts/bench_anchor.py GEOMETRY_DIR OUT.json [--batches 128,512,2048]
+
+Needs a GPU, CuPy and fovi 2.4.0 (see scripts/gpu_suite.sh for installing it offline).
+Writes OUT.json and a PNG beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from knnconv.bench import (
+    geomean,
+    int_at_least,
+    load_geometry_dir,
+    random_inputs,
+    release_memory,
+    time_calls,
+)
+from knnconv.functional import knn_conv_with_backend
+
+DEVICE = torch.device("cuda")
+MIB = 2**20
+
+
+def anchor_meta(plan):
+    """fovi's TrainingMeta from the plan's tables (the same int32 tables, by the seed's
+    definition), with the reverse CSR its torch ops use for their first-use canaries."""
+    from fovi.arch.knn_autograd import TrainingMeta
+
+    tables = plan.on(DEVICE)
+    knn = tables.knn_indices.reshape(-1)  # flat slot j = k * Nout + n
+    real = knn < plan.nin
+    slots = torch.nonzero(real).squeeze(1)
+    rows = knn[real]
+    rev_col = slots[torch.argsort(rows, stable=True)].to(torch.int32)
+    rev_rowptr = torch.zeros(plan.nin + 1, dtype=torch.int64, device=DEVICE)
+    torch.cumsum(torch.bincount(rows, minlength=plan.nin), 0, out=rev_rowptr[1:])
+    return TrainingMeta(
+        cin=plan.cin, cout=plan.cout, nin=plan.nin, nout=plan.nout, k=plan.k, v=plan.v,
+        p=plan.p, p64=plan.p64, q=plan.q, input_linear=tables.input_linear,
+        weight_linear=tables.weight_linear,
+        input_linear_flat=tables.input_linear.reshape(-1).long(),
+        weight_linear_flat=tables.weight_linear.reshape(-1).long(),
+        rev_rowptr=rev_rowptr.to(torch.int32), rev_col=rev_col, device=DEVICE)
+
+
+def memory_of(step, clear) -> tuple[float, float]:
+    """(MiB kept allocated after three steps, peak MiB above the allocation before a step)."""
+    clear()
+    torch.cuda.synchronize()
+    before_first = torch.cuda.memory_allocated()
+    for _ in range(3):
+        clear()
+        step()
+    clear()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    clear()
+    return (base - before_first) / MIB, peak / MIB
+
+
+def measure_cell(layer, batch: int, timing: dict) -> list[dict]:
+    import fovi.arch.knn_cuda  # noqa: F401  (registers fovi's "cuda" ops)
+    from fovi.arch.knn_autograd import KNNConvFunction
+
+    plan = layer.plan()
+    inputs = random_inputs(plan, batch, torch.float16, DEVICE)
+    x, weight, bias, grad_y = inputs.x, inputs.weight, inputs.bias, inputs.grad_y
+    meta = anchor_meta(plan)
+    forwards = {
+        "anchor": lambda: KNNConvFunction.apply(x, weight, bias, meta, "cuda"),
+        "cuda": lambda: knn_conv_with_backend(x, weight, bias, plan, "cuda")[0],
+    }
+    rows = []
+    for backend, forward in forwards.items():
+        def train_step(forward=forward):
+            forward().backward(grad_y)
+
+        def forward_step(forward=forward):
+            with torch.no_grad():
+                return forward()
+
+        row = {"layer": layer.name, "batch": batch, "dtype": "float16", "backend": backend}
+        try:  # memory first: its first steps are the backend's first use of this cell
+            row["resident_mib"], row["peak_train_mib"] = memory_of(train_step,
+                                                                   inputs.clear_grads)
+            row["train_ms"] = time_calls(train_step, DEVICE, reset=inputs.clear_grads,
+                                         **timing)[0]
+            row["forward_ms"] = time_calls(forward_step, DEVICE, **timing)[0]
+            row["status"] = "ok"
+        except torch.cuda.OutOfMemoryError:
+            row["status"] = "oom"
+        rows.append(row)
+        release_memory(DEVICE)
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict:
+    cells: dict[tuple, dict] = {}
+    for row in rows:
+        if row["status"] == "ok":
+            cells.setdefault((row["layer"], row["batch"]), {})[row["backend"]] = row
+    pairs = [(c["cuda"], c["anchor"]) for c in cells.values() if len(c) == 2]
+    summary = {"cells": len(pairs)}
+    for mode in ("train", "forward"):
+        ratios = [a[f"{mode}_ms"] / c[f"{mode}_ms"] for c, a in pairs]
+        summary[f"{mode}_speedup_geomean"] = geomean(ratios)
+        summary[f"{mode}_cells_slower"] = sum(r < 1 for r in ratios)
+    memory = [c["peak_train_mib"] / a["peak_train_mib"] for c, a in pairs]
+    summary["peak_train_memory_ratio_geomean"] = geomean(memory)
+    summary["peak_train_memory_ratio_max"] = max(memory)
+    summary["cells_with_more_peak_memory"] = sum(m > 1 for m in memory)
+    summary["resident_mib_max"] = {b: max(r["resident_mib"] for r in rows
+                                          if r["backend"] == b and r["status"] == "ok")
+                                   for b in ("cuda", "anchor")}
+    return summary
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    by_cell: dict[tuple, dict] = {}
+    for row in rows:
+        if row["status"] == "ok":
+            by_cell.setdefault((row["layer"], row["batch"]), {})[row["backend"]] = row
+    cells = [cell for cell, both in by_cell.items() if len(both) == 2]
+    figure = Figure(figsize=(max(8.0, 0.15 * len(cells)), 8.0))
+    FigureCanvasAgg(figure)
+    speed, memory = figure.subplots(2, 1, sharex=True)
+    for mode, marker in (("train", "s"), ("forward", "o")):
+        speed.scatter(range(len(cells)), [by_cell[c]["anchor"][f"{mode}_ms"]
+                                          / by_cell[c]["cuda"][f"{mode}_ms"] for c in cells],
+                      s=14, marker=marker, label=mode)
+    speed.set_ylabel("anchor time / knnconv cuda time (same run)")
+    memory.scatter(range(len(cells)), [by_cell[c]["cuda"]["peak_train_mib"]
+                                       / by_cell[c]["anchor"]["peak_train_mib"] for c in cells],
+                   s=14, marker="s", color="C2")
+    memory.set_ylabel("peak temporary memory of a training\nstep, knnconv cuda / anchor")
+    for axis in (speed, memory):
+        axis.axhline(1.0, color="gray", linewidth=0.8)
+        axis.set_yscale("log")
+        axis.grid(True, which="both", axis="y", alpha=0.3)
+    speed.legend(fontsize=7)
+    memory.set_xticks(range(len(cells)))
+    memory.set_xticklabels([f"{layer} B={batch}" for layer, batch in cells], rotation=90,
+                           fontsize=5)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("geometry", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--batches", default="128,512,2048",
+                        type=lambda text: [int(b) for b in text.split(",")])
+    parser.add_argument("--repeats", type=int_at_least(1), default=10)
+    parser.add_argument("--warmup", type=int_at_least(0), default=2)
+    args = parser.parse_args()
+    timing = {"warmup": args.warmup, "repeats": args.repeats}
+    rows = []
+    for layer in load_geometry_dir(args.geometry):
+        for batch in args.batches:
+            for row in measure_cell(layer, batch, timing):
+                rows.append(row)
+                if row["status"] == "ok":
+                    print(f"{layer.name:60} {batch:5} {row['backend']:7} train "
+                          f"{row['train_ms']:8.3f} ms  forward {row['forward_ms']:7.3f} ms  "
+                          f"peak {row['peak_train_mib']:8.1f} MiB  resident "
+                          f"{row['resident_mib']:6.1f} MiB")
+                else:
+                    print(f"{layer.name:60} {batch:5} {row['backend']:7} {row['status']}")
+    summary = summarize(rows)
+    print(json.dumps(summary, indent=1))
+    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(DEVICE),
+                                    "summary": summary, "rows": rows}, indent=1))
+    plot(rows, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
