@@ -82,6 +82,25 @@ def test_geometry_set_writes_checked_rows(tmp_path):
     assert len(table) == len(rows) and tuple(table[0]) == bench.ROW_FIELDS
 
 
+def test_geometry_dir_keeps_repeats_when_asked(tmp_path):
+    write_geometry_set(tmp_path)
+    unique = [layer.name for layer in bench.load_geometry_dir(tmp_path)]
+    assert unique == ["tiny:block.0.conv", "tiny:embeddings.patch"]
+    every = [layer.name for layer in bench.load_geometry_dir(tmp_path, ["tiny:"], repeats=True)]
+    assert every == ["tiny:block.0.conv", "tiny:embeddings.patch", "tiny:block.1.conv"]
+
+
+def test_network_layers_are_every_conv_of_the_model_in_order(tmp_path):
+    from knnconv.bench_networks import network_layers
+
+    write_geometry_set(tmp_path)
+    layers = network_layers(tmp_path, "tiny", torch.device("cpu"), torch.float64)
+    assert [(layer.in_channels, layer.out_channels) for layer in layers] == [(3, 4), (2, 3),
+                                                                              (3, 4)]
+    assert all(layer.bias is None and layer.weight.dtype == torch.float64 for layer in layers)
+    assert torch.equal(layers[1].plan.on("cpu").knn_indices[-1, :3], torch.full((3,), 12))
+
+
 def test_builtin_set_with_layer_filter(tmp_path):
     rc = bench.main(["--layers", "builtin-resnet:layer3", *QUICK, "--dtypes", "float32",
                      "--backends", "torch_compact", "--out", str(tmp_path), "--name", "builtin"])

@@ -118,13 +118,15 @@ def _selected(name: str, filters: list[str] | None) -> bool:
     return not filters or any(part in name for part in filters)
 
 
-def load_geometry_dir(directory: Path, filters: list[str] | None = None) -> list[BenchLayer]:
-    """The conv layers of a geometry set (index.json + one npz per distinct table pair).
+def load_geometry_dir(directory: Path, filters: list[str] | None = None, *,
+                      repeats: bool = False) -> list[BenchLayer]:
+    """The conv layers of a geometry set (index.json + one npz per distinct table pair), in
+    index order.
 
     Pooling entries and entries without tables are skipped; ``filters`` keeps the layers whose
-    name contains any of its substrings. Of the kept entries, one that repeats an earlier one's
-    tables and channel counts is skipped too: it would time the same (the anchor table lists
-    only the first of each).
+    name contains any of its substrings. Unless ``repeats``, a kept entry that repeats an
+    earlier one's tables and channel counts is skipped too: it would time the same (the anchor
+    table lists only the first of each); a whole network needs them all.
     """
     index = json.loads((directory / "index.json").read_text())
     layers = []
@@ -134,7 +136,7 @@ def load_geometry_dir(directory: Path, filters: list[str] | None = None) -> list
             continue
         name = layer_name(entry["model"], entry["layer"])
         cell = (entry["npz"], entry["Cin"], entry["Cout"])
-        if not _selected(name, filters) or cell in seen:
+        if not _selected(name, filters) or (cell in seen and not repeats):
             continue
         seen.add(cell)
         with np.load(directory / entry["npz"]) as tables:

@@ -13,13 +13,14 @@ import argparse
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from .bench import (
     TRAIN_FLOOR_FACTOR,
     device_description,
     forward_floor_ms,
+    graph_replay_ms,
+    load_geometry_dir,
     measure_ceilings,
     time_calls,
 )
@@ -31,19 +32,10 @@ NETWORKS = {"fovi-alexnet_a-0.5_res-64_rfmult-1": 512,
 
 
 def network_layers(directory: Path, model: str, device, dtype) -> list[KNNConv]:
-    """Every conv entry of ``model`` in index order (repeated geometries included)."""
-    index = json.loads((directory / "index.json").read_text())
-    layers = []
-    for entry in index["layers"]:
-        if entry["model"] != model or entry.get("kind") != "conv" or not entry.get("npz"):
-            continue
-        with np.load(directory / entry["npz"]) as tables:
-            layers.append(KNNConv(entry["Cin"], entry["Cout"],
-                                  torch.from_numpy(tables["knn_indices_pad_token"]).long(),
-                                  torch.from_numpy(tables["rf_index"]).long(),
-                                  nin=int(tables["nin"]), v=int(tables["v"]), backend="cuda",
-                                  bias=False).to(device, dtype))
-    return layers
+    """Every conv layer of ``model`` in index order (repeated geometries included)."""
+    return [KNNConv(layer.cin, layer.cout, layer.knn_indices, layer.rf_index, nin=layer.nin,
+                    v=layer.v, backend="cuda", bias=False).to(device, dtype)
+            for layer in load_geometry_dir(directory, [f"{model}:"], repeats=True)]
 
 
 def time_network(layers, batch: int, repeats: int) -> dict:
@@ -58,18 +50,9 @@ def time_network(layers, batch: int, repeats: int) -> dict:
         outputs = [layer(x) for layer, x in zip(layers, inputs, strict=True)]
         torch.autograd.backward(outputs, grads)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: kernels compiled and verified, tables built
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
+    # The replay's warm-up compiles and verifies the kernels and builds the tables.
+    graph_ms = graph_replay_ms(step, device, warmup=3, repeats=repeats)[0]
     eager_ms = time_calls(step, device, warmup=1, repeats=repeats)[0]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    graph.replay()
-    graph_ms = time_calls(graph.replay, device, warmup=1, repeats=repeats)[0]
     return {"eager_ms": eager_ms, "graph_ms": graph_ms}
 
 
