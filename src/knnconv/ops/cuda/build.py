@@ -119,11 +119,11 @@ class CompiledKernel:
         self.raw = raw
         self.ptr = raw.kernel.ptr
         self.dynamic_shared_limit = 48 * 1024
+        self._launch_kernel = import_cupy().cuda.driver.launchKernel
 
     def launch(self, grid, block, shared: int, stream: int, parameters: int) -> None:
         """cuLaunchKernel with a prepared kernel-parameter array (see launch._launch)."""
-        import_cupy().cuda.driver.launchKernel(self.ptr, *grid, *block, shared, stream,
-                                               parameters, 0)
+        self._launch_kernel(self.ptr, *grid, *block, shared, stream, parameters, 0)
 
     def allow_shared_memory(self, size: int) -> None:
         """Raise the kernel's dynamic shared-memory limit (needed past 48 KiB), once."""

@@ -6,8 +6,9 @@ once; running it allocates the buffers and issues the launches. The registry ops
 per layer and batch, so a call costs little more than its launches. Kernel arguments go to
 cuLaunchKernel (through CuPy's driver binding) as raw device pointers and integers, skipping
 DLPack export and CuPy's argument handling, so torch dtypes CuPy lacks (bfloat16) pass
-untouched. Every re-layout is one transpose_pad launch (transpose, dtype conversion and zero
-padding fused). Everything runs on PyTorch's current stream of the tensors' device.
+untouched. Every re-layout is one launch (transpose, dtype conversion and zero padding fused:
+transpose_pad, or transpose_pairs where strides allow two-element accesses). Everything runs
+on PyTorch's current stream of the tensors' device.
 """
 
 from __future__ import annotations
@@ -43,18 +44,21 @@ LOG_TRANSPOSE_ELEMENTS, TRANSPOSE_THREADS = 10, 256  # knn_common.cuh
 SUMMING_CTAS_PER_SM = 16
 PAIRS_TILE = 64  # transpose_pairs' kTile
 MAX_KERNEL_ARGS = 16
-_thread_state = threading.local()
 
 
-def _argument_slots() -> tuple[np.ndarray, int]:
-    """This thread's launch-parameter buffer: 8-byte value slots and the array of pointers to
-    them that cuLaunchKernel reads (it copies the values at launch, so slots are reusable)."""
-    slots = getattr(_thread_state, "slots", None)
-    if slots is None:
-        values = np.zeros(MAX_KERNEL_ARGS, dtype=np.uint64)
-        pointers = values.ctypes.data + 8 * np.arange(MAX_KERNEL_ARGS, dtype=np.uint64)
-        slots = _thread_state.slots = (values, pointers, pointers.ctypes.data)
-    return slots[0], slots[2]
+class _ThreadLaunchState(threading.local):
+    """One thread's launch state: the kernel-parameter buffer (8-byte value slots, and the
+    array of pointers to them that cuLaunchKernel reads; it copies the values at launch, so
+    slots are reusable) and the devices whose primary context is bound to the thread."""
+
+    def __init__(self) -> None:
+        self.values = np.zeros(MAX_KERNEL_ARGS, dtype=np.uint64)
+        self.pointers = self.values.ctypes.data + 8 * np.arange(MAX_KERNEL_ARGS, dtype=np.uint64)
+        self.parameters = self.pointers.ctypes.data
+        self.bound_devices: set[int] = set()
+
+
+_thread_state = _ThreadLaunchState()
 
 
 def _launch(kernel: CompiledKernel, device_index: int, grid: tuple, block: tuple, shared: int,
@@ -62,12 +66,17 @@ def _launch(kernel: CompiledKernel, device_index: int, grid: tuple, block: tuple
     """cuLaunchKernel on torch's current stream of the device.
 
     Every argument is a non-negative int in its own 8-byte little-endian slot: device pointers
-    and int64 use all of it, int32 parameters read its first 4 bytes.
+    and int64 use all of it, int32 parameters read its first 4 bytes. A training step of a
+    small layer is ~10 launches and host-bound, so the common case (the device already current
+    with its context bound) goes straight to the driver.
     """
-    values, parameters = _argument_slots()
-    values[: len(args)] = args
+    state = _thread_state
+    state.values[: len(args)] = args
     stream = torch._C._cuda_getCurrentRawStream(device_index)
-    _on_device(device_index, kernel.launch, grid, block, shared, stream, parameters)
+    if torch._C._cuda_getDevice() == device_index and device_index in state.bound_devices:
+        kernel.launch(grid, block, shared, stream, state.parameters)
+    else:
+        _on_device(device_index, kernel.launch, grid, block, shared, stream, state.parameters)
 
 
 def _zero(pointer: int, nbytes: int, device_index: int) -> None:
@@ -95,9 +104,7 @@ def _bind_context(device_index: int) -> None:
     such a thread would fail with CUDA_ERROR_INVALID_CONTEXT. cudaSetDevice of the device
     already current binds its primary context without changing anything else.
     """
-    bound = getattr(_thread_state, "bound_devices", None)
-    if bound is None:
-        bound = _thread_state.bound_devices = set()
+    bound = _thread_state.bound_devices
     if device_index not in bound:
         import_cupy().cuda.runtime.setDevice(device_index)
         bound.add(device_index)
