@@ -8,7 +8,9 @@ Two ways of calling: with the same x and grad_y every call and the weight unchan
 grad_y each call and a weight the optimizer changed (`*_fresh_ms`): the anchor keys its x and
 grad_y re-layouts on tensor identity, so the first way lets it skip both. Also the peak
 memory of a training step (fresh operands): torch.cuda.max_memory_allocated above what was
-allocated before the step, which includes what either keeps between calls.
+allocated before the step; and, first, the peak memory of one training step through every
+KNN layer of the fovi AlexNet and ResNet-18 of knnconv.bench_networks, counted from before
+each backend's first call, so what either keeps between calls counts too.
 
     python scripts/bench_anchor.py GEOMETRY_DIR OUT.json [--batches 128,512,2048]
 
@@ -32,6 +34,7 @@ from knnconv.bench import (
     release_memory,
     time_calls,
 )
+from knnconv.bench_networks import NETWORKS
 from knnconv.functional import knn_conv_with_backend
 
 DEVICE = torch.device("cuda")
@@ -88,18 +91,9 @@ def peak_mib(step, reset) -> float:
 
 
 def measure_cell(layer, batch: int, timing: dict) -> list[dict]:
-    import fovi.arch.knn_cuda  # noqa: F401  (registers fovi's "cuda" ops)
-    from fovi.arch.knn_autograd import KNNConvFunction
-
     plan = layer.plan()
     inputs = random_inputs(plan, batch, torch.float16, DEVICE)
-    meta = anchor_meta(plan)
-    forwards = {
-        "anchor": lambda: KNNConvFunction.apply(inputs.x, inputs.weight, inputs.bias, meta,
-                                                "cuda"),
-        "cuda": lambda: knn_conv_with_backend(inputs.x, inputs.weight, inputs.bias, plan,
-                                              "cuda")[0],
-    }
+    forwards = training_forwards(plan, inputs)
     fresh = fresh_operands(inputs)
     rows = []
     for backend, forward in forwards.items():
@@ -125,6 +119,51 @@ def measure_cell(layer, batch: int, timing: dict) -> list[dict]:
         rows.append(row)
         release_memory(DEVICE)
     return rows
+
+
+def training_forwards(plan, inputs) -> dict:
+    """Each backend's forward of one layer, reading the operands at call time."""
+    import fovi.arch.knn_cuda  # noqa: F401  (registers fovi's "cuda" ops)
+    from fovi.arch.knn_autograd import KNNConvFunction
+
+    meta = anchor_meta(plan)
+    return {
+        "anchor": lambda: KNNConvFunction.apply(inputs.x, inputs.weight, inputs.bias, meta,
+                                                "cuda"),
+        "cuda": lambda: knn_conv_with_backend(inputs.x, inputs.weight, inputs.bias, plan,
+                                              "cuda")[0],
+    }
+
+
+def network_peak_mib(directory: Path, model: str, batch: int, backend: str) -> float:
+    """Peak MiB allocated by one training step through every KNN layer of ``model`` (each
+    layer on its own random input, all outputs live until one backward), above what was
+    allocated before the backend's first call: what the backend keeps between calls counts,
+    the one-off allocations of its first step (first-use checks) do not."""
+    import fovi.arch.knn_cuda as anchor_module
+
+    anchor_module.clear_kernel_cache()  # nothing the anchor kept from earlier cells
+    release_memory(DEVICE)
+    layers = load_geometry_dir(directory, [f"{model}:"], repeats=True)
+    plans = [layer.plan() for layer in layers]
+    operands = [random_inputs(plan, batch, torch.float16, DEVICE) for plan in plans]
+    forwards = [training_forwards(plan, inputs)[backend]
+                for plan, inputs in zip(plans, operands, strict=True)]
+
+    def step():
+        outputs = [forward() for forward in forwards]
+        torch.autograd.backward(outputs, [inputs.grad_y for inputs in operands])
+        for inputs in operands:
+            inputs.clear_grads()
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / MIB
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -191,6 +230,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int_at_least(0), default=2)
     args = parser.parse_args()
     timing = {"warmup": args.warmup, "repeats": args.repeats}
+    networks = []  # first, before any cell leaves caches behind
+    for model, batch in NETWORKS.items():
+        row = {"model": model, "batch": batch}
+        for backend in ("anchor", "cuda"):
+            row[f"{backend}_peak_mib"] = network_peak_mib(args.geometry, model, batch, backend)
+            release_memory(DEVICE)
+        networks.append(row)
+        print(f"{model} B={batch}: peak memory of a training step through its KNN layers: "
+              f"anchor {row['anchor_peak_mib']:.0f} MiB, knnconv cuda "
+              f"{row['cuda_peak_mib']:.0f} MiB")
     rows = []
     for layer in load_geometry_dir(args.geometry):
         for batch in args.batches:
@@ -207,7 +256,8 @@ def main() -> None:
     summary = summarize(rows)
     print(json.dumps(summary, indent=1))
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(DEVICE),
-                                    "summary": summary, "rows": rows}, indent=1))
+                                    "summary": summary, "networks": networks, "rows": rows},
+                                   indent=1))
     plot(rows, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
