@@ -7,10 +7,10 @@ Two ways of calling: with the same x and grad_y every call and the weight unchan
 `knnconv bench` and shared/anchors.md time), and with what a training step sees, a new x and
 grad_y each call and a weight the optimizer changed (`*_fresh_ms`): the anchor keys its x and
 grad_y re-layouts on tensor identity, so the first way lets it skip both. Also the peak
-memory of a training step (fresh operands): torch.cuda.max_memory_allocated above what was
-allocated before the step; and, first, the peak memory of one training step through every
-KNN layer of the fovi AlexNet and ResNet-18 of knnconv.bench_networks, counted from before
-each backend's first call, so what either keeps between calls counts too.
+memory (torch.cuda.max_memory_allocated) of a training step with fresh operands, per layer
+and, first, through every KNN layer of the fovi AlexNet and ResNet-18 of
+knnconv.bench_networks, each counted from before the backend's first call (the anchor's
+caches emptied), so its tables and what it keeps between calls count too.
 
     python scripts/bench_anchor.py GEOMETRY_DIR OUT.json [--batches 128,512,2048]
 
@@ -39,6 +39,7 @@ from knnconv.functional import knn_conv_with_backend
 
 DEVICE = torch.device("cuda")
 MIB = 2**20
+BACKENDS = ("anchor", "cuda")
 
 
 def anchor_meta(plan):
@@ -76,27 +77,57 @@ def fresh_operands(inputs):
     return reset
 
 
-def peak_mib(step, reset) -> float:
-    """Peak MiB allocated above what was allocated before one step (after three warm ones)."""
+def peak_mib(step, reset, before: int) -> float:
+    """Peak MiB allocated during a step (after three warm ones) above ``before``, what was
+    allocated before the backend's first call: what it keeps between calls counts, the
+    one-off allocations of its first calls do not."""
     for _ in range(3):
         reset()
         step()
     reset()
     torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     step()
     torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / MIB
+    return (torch.cuda.max_memory_allocated() - before) / MIB
+
+
+def layer_forward(backend: str, plan, inputs):
+    """One backend's forward of one layer, reading the operands at call time. The anchor's
+    tables are built here, so a memory count begun before this call includes them, as it
+    includes the tables knnconv derives at its first call."""
+    if backend == "cuda":
+        return lambda: knn_conv_with_backend(inputs.x, inputs.weight, inputs.bias, plan,
+                                             "cuda")[0]
+    import fovi.arch.knn_cuda  # noqa: F401  (registers fovi's "cuda" ops)
+    from fovi.arch.knn_autograd import KNNConvFunction
+
+    meta = anchor_meta(plan)
+    return lambda: KNNConvFunction.apply(inputs.x, inputs.weight, inputs.bias, meta, "cuda")
+
+
+def memory_baseline(backend: str) -> int:
+    """Bytes allocated before a backend's first call on new layers, after dropping what the
+    anchor keeps between calls (its staging caches hold the last call's operands and
+    re-layouts; clearing them also drops its compiled kernels, which CuPy reloads from its
+    disk cache)."""
+    if backend == "anchor":
+        import fovi.arch.knn_cuda as anchor_module
+
+        anchor_module.clear_kernel_cache()
+    release_memory(DEVICE)
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
 
 
 def measure_cell(layer, batch: int, timing: dict) -> list[dict]:
-    plan = layer.plan()
-    inputs = random_inputs(plan, batch, torch.float16, DEVICE)
-    forwards = training_forwards(plan, inputs)
+    inputs = random_inputs(layer.plan(), batch, torch.float16, DEVICE)
     fresh = fresh_operands(inputs)
     rows = []
-    for backend, forward in forwards.items():
+    for backend in BACKENDS:
+        before = memory_baseline(backend)
+        forward = layer_forward(backend, layer.plan(), inputs)  # a plan of its own
+
         def train_step(forward=forward):
             forward().backward(inputs.grad_y)
 
@@ -106,7 +137,7 @@ def measure_cell(layer, batch: int, timing: dict) -> list[dict]:
 
         row = {"layer": layer.name, "batch": batch, "dtype": "float16", "backend": backend}
         try:
-            row["peak_train_mib"] = peak_mib(train_step, fresh)
+            row["peak_train_mib"] = peak_mib(train_step, fresh, before)
             row["train_fresh_ms"] = time_calls(train_step, DEVICE, reset=fresh, **timing)[0]
             row["forward_fresh_ms"] = time_calls(forward_step, DEVICE, reset=fresh,
                                                  **timing)[0]
@@ -121,34 +152,16 @@ def measure_cell(layer, batch: int, timing: dict) -> list[dict]:
     return rows
 
 
-def training_forwards(plan, inputs) -> dict:
-    """Each backend's forward of one layer, reading the operands at call time."""
-    import fovi.arch.knn_cuda  # noqa: F401  (registers fovi's "cuda" ops)
-    from fovi.arch.knn_autograd import KNNConvFunction
-
-    meta = anchor_meta(plan)
-    return {
-        "anchor": lambda: KNNConvFunction.apply(inputs.x, inputs.weight, inputs.bias, meta,
-                                                "cuda"),
-        "cuda": lambda: knn_conv_with_backend(inputs.x, inputs.weight, inputs.bias, plan,
-                                              "cuda")[0],
-    }
-
-
 def network_peak_mib(directory: Path, model: str, batch: int, backend: str) -> float:
     """Peak MiB allocated by one training step through every KNN layer of ``model`` (each
     layer on its own random input, all outputs live until one backward), above what was
-    allocated before the backend's first call: what the backend keeps between calls counts,
-    the one-off allocations of its first step (first-use checks) do not."""
-    import fovi.arch.knn_cuda as anchor_module
-
-    anchor_module.clear_kernel_cache()  # nothing the anchor kept from earlier cells
-    release_memory(DEVICE)
+    allocated before the backend's first call: its tables and what it keeps between calls
+    count, the one-off allocations of its first step (first-use checks) do not."""
     layers = load_geometry_dir(directory, [f"{model}:"], repeats=True)
-    plans = [layer.plan() for layer in layers]
-    operands = [random_inputs(plan, batch, torch.float16, DEVICE) for plan in plans]
-    forwards = [training_forwards(plan, inputs)[backend]
-                for plan, inputs in zip(plans, operands, strict=True)]
+    operands = [random_inputs(layer.plan(), batch, torch.float16, DEVICE) for layer in layers]
+    before = memory_baseline(backend)
+    forwards = [layer_forward(backend, layer.plan(), inputs)
+                for layer, inputs in zip(layers, operands, strict=True)]
 
     def step():
         outputs = [forward() for forward in forwards]
@@ -156,8 +169,6 @@ def network_peak_mib(directory: Path, model: str, batch: int, backend: str) -> f
         for inputs in operands:
             inputs.clear_grads()
 
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
     step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -233,7 +244,7 @@ def main() -> None:
     networks = []  # first, before any cell leaves caches behind
     for model, batch in NETWORKS.items():
         row = {"model": model, "batch": batch}
-        for backend in ("anchor", "cuda"):
+        for backend in BACKENDS:
             row[f"{backend}_peak_mib"] = network_peak_mib(args.geometry, model, batch, backend)
             release_memory(DEVICE)
         networks.append(row)

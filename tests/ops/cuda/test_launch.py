@@ -43,6 +43,7 @@ requires_gpu = pytest.mark.skipif(
     ((1, 9, 300, 16, 301), "narrow"),
     ((3, 65, 70, 80, 71), "misaligned"),  # a source one element off: no pair accesses
     ((2, 40, 69, 48, 70), "odd_width"),  # rows padded to 70: pairs, then one odd last column
+    ((2, 60, 70, 65, 71), "odd_dst"),  # 65 destination rows in a pitch of 66: one odd last row
 ])
 def test_transpose_matches_torch_with_padding_and_sums(src_dtype, dst_dtype, extents, kernel):
     z, a, c, dst_a, dst_c = extents
@@ -50,14 +51,17 @@ def test_transpose_matches_torch_with_padding_and_sums(src_dtype, dst_dtype, ext
     pitch = c + 1 if kernel == "odd_width" else c
     storage = torch.randn(z * a * pitch + skip, device="cuda").to(src_dtype)
     src = storage[skip:].view(z, a, pitch)[:, :, :c]
+    dst_pitch = dst_a + 1 if kernel == "odd_dst" else dst_a
     relayout = _Transpose(src_dtype, dst_dtype, 0, (z, a, c), (z, dst_a, dst_c),
-                          (dst_c * dst_a, dst_a), sums_z=True)
+                          (dst_c * dst_pitch, dst_pitch), sums_z=True)
     assert relayout.uses_pairs(src.data_ptr(), 0, src.stride()) == (
-        kernel in ("pairs", "odd_width"))
-    dst = torch.full((z, dst_c, dst_a), math.nan, dtype=dst_dtype, device="cuda")
+        kernel in ("pairs", "odd_width", "odd_dst"))
+    dst = torch.full((z, dst_c, dst_pitch), math.nan, dtype=dst_dtype, device="cuda")
     sums = torch.zeros(z, device="cuda")
     relayout(src, dst.data_ptr(), src.stride(), sums.data_ptr())
-    expected = torch.zeros(z, dst_c, dst_a, dtype=dst_dtype, device="cuda")
+    expected = torch.full((z, dst_c, dst_pitch), math.nan, dtype=dst_dtype, device="cuda")
+    expected[:, :, :dst_a] = 0
     expected[:, :c, :a] = src.transpose(1, 2).to(dst_dtype)
-    assert torch.equal(dst, expected)
+    assert torch.equal(dst[..., :dst_a], expected[..., :dst_a])
+    assert dst[..., dst_a:].isnan().all(), "wrote past the destination rows"
     torch.testing.assert_close(sums, src.float().sum((1, 2)), rtol=1e-5, atol=1e-3)

@@ -491,10 +491,11 @@ __global__ void __launch_bounds__(kTransposeThreads, 8)
 
 // dst[z, c, a] = src[z, a, c] like transpose_pad, for 32 x 32-or-wider problems whose rows
 // allow two-element accesses (the host checks: src contiguous along c, dst along a, even
-// strides, pointers aligned to two elements): each thread loads pairs of c and stores pairs of
-// a through a 64 x 64 tile. Single-element accesses moved conv1's grad_y at ~1 TB/s, latency
-// bound (16% of DRAM throughput at 91% occupancy); pairs moved it at 3.4 TB/s (prototype,
-// session 3). Grid and z_sums as transpose_pad, with 64-element tiles. No minimum CTAs per SM
+// strides, pointers aligned to two elements): each thread loads pairs of c (one 32- or 64-bit
+// load each) and writes pairs of a through a 64 x 64 tile; the pair store, a struct
+// assignment, still compiles to two single-element stores (bench/NOTES.md version 16).
+// Single-element accesses moved conv1's grad_y at ~1 TB/s, latency bound (16% of DRAM
+// throughput at 91% occupancy); pairs moved it at 3.4 TB/s (prototype, session 3). Grid and z_sums as transpose_pad, with 64-element tiles. No minimum CTAs per SM
 // in the launch bounds: eight loads in flight per thread take ~48 registers, and capping them
 // at 40 (six CTAs) or 48 (five) made ptxas spill.
 template <typename TIn, typename TOut>
