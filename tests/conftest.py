@@ -138,3 +138,24 @@ def _serves_cpu(name: str) -> bool:
 
 
 CPU_BACKENDS = [name for name in available_backends() if _serves_cpu(name)]
+
+
+def all_outputs(ops, plan, x, weight, bias, grad_y):
+    """Every primitive of ``ops``: forward, grad_input, grad_weight, backward_combined."""
+    return {
+        "forward": ops.forward(plan, x, weight, bias),
+        "grad_input": ops.grad_input(plan, grad_y, weight),
+        "grad_weight": ops.grad_weight(plan, grad_y, x),
+        **dict(zip(("combined_grad_input", "combined_grad_weight"),
+                   ops.backward_combined(plan, grad_y, x, weight), strict=True)),
+    }
+
+
+def assert_close_to_reference(actual, plan, inputs, tolerance):
+    """Every output of all_outputs within ``tolerance`` of the reference's in float64."""
+    operands = (t if t is None else t.double() for t in inputs)
+    expected = all_outputs(get_ops("reference"), plan, *operands)
+    for key, value in expected.items():
+        assert actual[key].shape == value.shape, key
+        error = rel_err(actual[key], value)
+        assert error < tolerance, f"{key}: rel err {error:.2e} >= {tolerance:.0e}"

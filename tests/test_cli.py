@@ -56,7 +56,7 @@ def test_check_passes_every_cpu_backend_in_every_dtype(capsys):
     output = capsys.readouterr().out
     rows = result_rows(output, cli.CHECK_HEADERS)
     served = {(row["backend"], row["dtype"]) for row in rows}
-    assert served >= {(name, dtype) for name in ("reference", "torch_compact")
+    assert served >= {(name, dtype) for name in ("reference", "torch_compact", "torch_binned")
                       for dtype in cli.DTYPES}
     assert all(row["result"] == "PASS" for row in rows)
     assert output.rstrip().endswith("all checks passed")
@@ -67,7 +67,8 @@ def test_check_fails_a_wrong_backend(capsys, broken_backend):
 
     rows = result_rows(capsys.readouterr().out, cli.CHECK_HEADERS)
     results = {row["backend"]: row["result"] for row in rows}
-    assert results == {"reference": "PASS", "torch_compact": "PASS", broken_backend: "FAIL"}
+    assert results == {"reference": "PASS", "torch_compact": "PASS", "torch_binned": "PASS",
+                       broken_backend: "FAIL"}
 
 
 def test_run_agrees_with_reference(capsys):
@@ -76,7 +77,8 @@ def test_run_agrees_with_reference(capsys):
     output = capsys.readouterr().out
     rows = result_rows(output, cli.RUN_HEADERS)
     assert {(row["layer"], row["backend"]) for row in rows} >= {
-        (layer, backend) for layer in "01" for backend in ("reference", "torch_compact")}
+        (layer, backend) for layer in "01"
+        for backend in ("reference", "torch_compact", "torch_binned")}
     assert {(row["layer"], row["k"], row["cin->cout"]) for row in rows} == {("0", "49", "3->8"),
                                                                           ("1", "9", "8->16")}
     assert all(row["result"] == "PASS" for row in rows)

@@ -18,8 +18,8 @@ def oracle_gradients(geometry, x, weight, bias, grad_y):
     return x.grad, weight.grad, None if bias is None else bias.grad
 
 
-def test_reference_and_torch_compact_serve_cpu():
-    assert {"reference", "torch_compact"} <= set(CPU_BACKENDS)
+def test_reference_and_torch_backends_serve_cpu():
+    assert {"reference", "torch_compact", "torch_binned"} <= set(CPU_BACKENDS)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

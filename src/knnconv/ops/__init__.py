@@ -9,10 +9,12 @@ from .registry import (
     register_ops,
     resolve_backend,
 )
+from .torch_binned import TorchBinnedOps
 from .torch_compact import TorchCompactOps
 
 register_ops(ReferenceOps())
 register_ops(TorchCompactOps())
+register_ops(TorchBinnedOps())
 
 
 def _load_cuda_ops() -> KNNConvOps:
@@ -24,6 +26,7 @@ def _load_cuda_ops() -> KNNConvOps:
 register_lazy_ops("cuda", _load_cuda_ops)
 
 __all__ = [
-    "KNNConvOps", "ReferenceOps", "TorchCompactOps", "available_backends", "get_ops",
+    "KNNConvOps", "ReferenceOps", "TorchBinnedOps", "TorchCompactOps", "available_backends",
+    "get_ops",
     "register_ops", "register_lazy_ops", "resolve_backend",
 ]

@@ -16,6 +16,13 @@ from .registry import KNNConvOps, accumulation_dtype
 DEFAULT_MEMORY_BUDGET = 256 * 2**20
 
 
+def padded_flat_input(plan: KNNConvPlan, x: torch.Tensor) -> torch.Tensor:
+    """x [B, Cin, Nin] as [B, Cin*Nin + 1]: address c*Nin + m is x[:, c, m], and Cin*Nin an
+    appended zero column, where the padding neighbour reads."""
+    flat = x.reshape(x.shape[0], plan.cin * plan.nin)
+    return torch.cat([flat, flat.new_zeros(x.shape[0], 1)], dim=1)
+
+
 class TorchCompactOps(KNNConvOps):
     name = "torch_compact"
 
@@ -39,16 +46,10 @@ class TorchCompactOps(KNNConvOps):
                     tables.weight_linear[:, :plan.p].long().contiguous())
         return plan.derived(device, "torch_compact.slots", build)
 
-    @staticmethod
-    def _flat_input(plan: KNNConvPlan, x: torch.Tensor) -> torch.Tensor:
-        # Index Cin*Nin addresses an appended zero column: the padding neighbour.
-        flat = x.reshape(x.shape[0], plan.cin * plan.nin)
-        return torch.cat([flat, flat.new_zeros(x.shape[0], 1)], dim=1)
-
     def forward(self, plan, x, weight, bias):
         batch = x.shape[0]
         input_slots, weight_slots = self._tables(plan, x.device)
-        flat = self._flat_input(plan, x)
+        flat = padded_flat_input(plan, x)
         weight_rows = weight.t()  # [Q, Cout]
         y = torch.empty(batch, plan.nout, plan.cout, dtype=x.dtype, device=x.device)
         for start, stop in self._node_chunks(plan, batch, x.element_size()):
@@ -80,7 +81,7 @@ class TorchCompactOps(KNNConvOps):
         input_slots, weight_slots = self._tables(plan, grad_y.device)
         acc = accumulation_dtype(grad_y.dtype)
         grad_rows = torch.zeros(plan.q, plan.cout, dtype=acc, device=grad_y.device)
-        flat = self._flat_input(plan, x.to(grad_y.dtype))
+        flat = padded_flat_input(plan, x.to(grad_y.dtype))
         for start, stop in self._node_chunks(plan, batch, grad_y.element_size()):
             gathered = flat[:, input_slots[start:stop]].permute(1, 2, 0)  # [n, P, B]
             grad_nodes = grad_y[:, :, start:stop].permute(2, 0, 1)  # [n, B, Cout]

@@ -1,0 +1,56 @@
+"""The two plain-PyTorch backends, torch_compact and torch_binned, against the reference."""
+
+import pytest
+import torch
+
+from conftest import all_outputs, assert_close_to_reference, random_geometry, random_inputs, rel_err
+from knnconv.ops import TorchBinnedOps, TorchCompactOps
+
+BACKENDS = pytest.mark.parametrize("ops_class", [TorchCompactOps, TorchBinnedOps],
+                                   ids=lambda cls: cls.name)
+
+
+@BACKENDS
+@pytest.mark.parametrize("batch", [1, 17])
+@pytest.mark.parametrize("cout", [1, 63, 65])
+def test_matches_reference_float64(ops_class, edge_geometry, rng, batch, cout):
+    plan = edge_geometry.plan(cin=3, cout=cout)
+    inputs = random_inputs(rng, plan, batch)
+
+    actual = all_outputs(ops_class(), plan, *inputs)
+
+    assert_close_to_reference(actual, plan, inputs, 1e-12)
+    for key in ("grad_input", "grad_weight", "combined_grad_input", "combined_grad_weight"):
+        assert actual[key].dtype == torch.float64, key
+
+
+@BACKENDS
+def test_tiny_memory_budget_gives_the_same_results(ops_class, rng):
+    geometry = random_geometry(rng, nin=30, nout=23, k=6, v=9, padding=0.2, collisions=True)
+    plan = geometry.plan(cin=4, cout=7)
+    inputs = random_inputs(rng, plan, batch=5)
+    one_node_per_chunk = ops_class(memory_budget=1)
+    assert len(list(one_node_per_chunk._node_chunks(plan, 5, 8))) == plan.nout
+
+    chunked = all_outputs(one_node_per_chunk, plan, *inputs)
+    whole = all_outputs(ops_class(), plan, *inputs)
+
+    # Not bitwise: matmul picks different kernels for 1 and for 23 nodes.
+    for key, value in whole.items():
+        assert rel_err(chunked[key], value) < 1e-14, key
+
+
+@BACKENDS
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)],
+                         ids=["float32", "bfloat16"])
+def test_low_precision_close_to_float64_reference(ops_class, rng, dtype, tolerance):
+    geometry = random_geometry(rng, nin=40, nout=19, k=9, v=16, padding=0.1, collisions=True)
+    plan = geometry.plan(cin=8, cout=33)
+    inputs = random_inputs(rng, plan, batch=6, dtype=dtype)
+
+    actual = all_outputs(ops_class(), plan, *inputs)
+
+    assert actual["forward"].dtype == dtype
+    for key in ("grad_input", "grad_weight", "combined_grad_input", "combined_grad_weight"):
+        assert actual[key].dtype == torch.float32, key
+    assert_close_to_reference(actual, plan, inputs, tolerance)
