@@ -143,7 +143,7 @@ def knn_conv_with_backend(x, weight, bias, plan, backend="auto") -> tuple[torch.
     device_type = x.device.type
     autocasting = device_type != "meta" and torch.is_autocast_enabled(device_type)
     dtype = compute_dtype(x, weight, bias, autocasting)
-    ops = resolve_backend(backend, plan, x.device, dtype)
+    ops = resolve_backend(backend, plan, x.device, dtype, batch=x.shape[0])
     if torch.compiler.is_compiling():
         from .torch_ops import knn_conv_op
 

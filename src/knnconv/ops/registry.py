@@ -139,14 +139,22 @@ def get_ops(name: str) -> KNNConvOps:
     return ops
 
 
-def resolve_backend(name: str, plan: KNNConvPlan, device: torch.device,
-                    dtype: torch.dtype) -> KNNConvOps:
+def resolve_backend(name: str, plan: KNNConvPlan, device: torch.device, dtype: torch.dtype,
+                    batch: int | None = None) -> KNNConvOps:
     """The backend that will serve a call: ``name`` itself, or the auto policy's choice.
 
     An explicitly named backend that cannot serve the call raises; it never falls back.
-    Auto picks the native CUDA backend for CUDA tensors it supports, else torch_compact.
+    Auto takes the measured choice for the call's cell when autotuning is on (see
+    knnconv.autotune; ``batch`` is needed for it), else picks the native CUDA backend for
+    CUDA tensors it supports, else torch_compact.
     """
     if name == "auto":
+        if batch is not None:
+            from ..autotune import choose
+
+            tuned = choose(plan, batch, device, dtype)
+            if tuned is not None:
+                return get_ops(tuned)
         if device.type == "cuda" and "cuda" in available_backends():
             cuda_ops = get_ops("cuda")
             if cuda_ops.unsupported_reason(plan, device, dtype) is None:

@@ -1,0 +1,125 @@
+"""knnconv.autotune on the CPU: measured auto choices, kept on disk, never measured where it
+is unsafe."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import random_geometry, random_inputs, rel_err
+from knnconv import autotune, knn_conv_with_backend
+
+
+@pytest.fixture
+def tuning(tmp_path, monkeypatch):
+    """Autotuning on, its file in tmp_path, nothing remembered from other tests; yields the
+    list of (backend, batch) measurements made, with torch_binned made to look faster."""
+    monkeypatch.setenv(autotune.CACHE_DIRECTORY, str(tmp_path))
+    autotune.forget()
+    autotune.enable()
+    measured = []
+
+    def fake_step_ms(name, plan, batch, device, dtype):
+        measured.append((name, batch))
+        return {"torch_binned": 1.0, "torch_compact": 2.0}[name]
+
+    monkeypatch.setattr(autotune, "step_ms", fake_step_ms)
+    yield measured
+    autotune.enable(False)
+    autotune.forget()
+
+
+@pytest.fixture
+def plan(rng):
+    return random_geometry(rng, nin=30, nout=12, k=5, v=9, padding=0.1).plan(cin=3, cout=4)
+
+
+def run(plan, rng, batch, dtype=torch.float32):
+    x, weight, bias, _ = random_inputs(rng, plan, batch, dtype=dtype)
+    return knn_conv_with_backend(x, weight, bias, plan, "auto")
+
+
+def test_off_by_default_auto_keeps_its_policy(plan, rng, monkeypatch):
+    monkeypatch.delenv(autotune.ENVIRONMENT_SWITCH, raising=False)
+    autotune.enable(None)  # the environment decides
+    assert not autotune.enabled()
+    assert run(plan, rng, 2)[1] == "torch_compact"
+    monkeypatch.setenv(autotune.ENVIRONMENT_SWITCH, "1")
+    assert autotune.enabled()
+
+
+def test_first_call_measures_and_later_calls_and_processes_reuse(tuning, plan, rng, tmp_path):
+    assert run(plan, rng, 2)[1] == "torch_binned"
+    assert sorted(tuning) == [("torch_binned", 2), ("torch_compact", 2)]
+    assert run(plan, rng, 2)[1] == "torch_binned"
+    assert len(tuning) == 2  # remembered
+    autotune.forget()  # as a new process would: only the file is left
+    assert run(plan, rng, 2)[1] == "torch_binned"
+    assert len(tuning) == 2
+    stored = json.loads((tmp_path / "autotune.json").read_text())
+    [(key, record)] = stored.items()
+    assert "B=2" in key and "torch.float32" in key
+    assert record == {"backend": "torch_binned",
+                      "step_ms": {"torch_binned": 1.0, "torch_compact": 2.0}}
+
+
+def test_batch_and_dtype_are_cells_of_their_own(tuning, plan, rng):
+    run(plan, rng, 2)
+    run(plan, rng, 3)
+    run(plan, rng, 3, torch.float64)
+    assert [batch for _, batch in tuning] == [2, 2, 3, 3, 3, 3]
+
+
+def test_no_measuring_under_deterministic_algorithms_or_compile(tuning, plan, rng):
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert run(plan, rng, 2)[1] == "torch_compact"  # the heuristic
+        assert tuning == []
+        torch.use_deterministic_algorithms(False)
+        run(plan, rng, 2)  # measured now
+        torch.use_deterministic_algorithms(True)
+        assert run(plan, rng, 2)[1] == "torch_binned"  # a stored choice serves
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert len(tuning) == 2
+    compiled = torch.compile(lambda x, w, b: knn_conv_with_backend(x, w, b, plan, "auto")[0],
+                             backend="eager", fullgraph=True)
+    x, weight, bias, _ = random_inputs(rng, plan, 4, dtype=torch.float32)
+    expected, _ = knn_conv_with_backend(x, weight, bias, plan, "reference")
+    assert rel_err(compiled(x, weight, bias), expected) < 1e-5
+    assert len(tuning) == 2  # traced without measuring
+
+
+def test_an_unreadable_file_is_replaced(tuning, plan, rng, tmp_path):
+    (tmp_path / "autotune.json").write_text("{not json")
+    with pytest.warns(UserWarning, match="ignoring the autotune file"):
+        assert run(plan, rng, 2)[1] == "torch_binned"
+    assert len(json.loads((tmp_path / "autotune.json").read_text())) == 1
+
+
+def test_a_stored_choice_that_cannot_serve_is_measured_again(tuning, plan, rng, tmp_path):
+    key = autotune.cell_key(plan, 2, torch.device("cpu"), torch.float32)
+    (tmp_path / "autotune.json").write_text(json.dumps({key: {"backend": "cuda"}}))
+    assert run(plan, rng, 2)[1] == "torch_binned"
+    assert len(tuning) == 2
+
+
+def test_real_measurement_picks_a_candidate_and_results_stay_right(plan, rng, tmp_path,
+                                                                    monkeypatch):
+    monkeypatch.setenv(autotune.CACHE_DIRECTORY, str(tmp_path))
+    autotune.forget()
+    autotune.enable()
+    try:
+        x, weight, bias, _ = random_inputs(rng, plan, 3)
+        y, ran = knn_conv_with_backend(x, weight, bias, plan, "auto")
+        expected, _ = knn_conv_with_backend(x, weight, bias, plan, "reference")
+    finally:
+        autotune.enable(False)
+        autotune.forget()
+    assert ran in autotune.candidates(plan, torch.device("cpu"), torch.float64)
+    assert rel_err(y, expected) < 1e-12
+    [record] = json.loads((tmp_path / "autotune.json").read_text()).values()
+    assert record["backend"] == ran and set(record["step_ms"]) == {"torch_binned",
+                                                                   "torch_compact"}
