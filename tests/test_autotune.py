@@ -4,6 +4,7 @@ is unsafe."""
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ def tuning(tmp_path, monkeypatch):
 
     monkeypatch.setattr(autotune, "step_ms", fake_step_ms)
     yield measured
-    autotune.enable(False)
+    autotune.enable(None)
     autotune.forget()
 
 
@@ -41,12 +42,15 @@ def run(plan, rng, batch, dtype=torch.float32):
     return knn_conv_with_backend(x, weight, bias, plan, "auto")
 
 
-def test_off_by_default_auto_keeps_its_policy(plan, rng, monkeypatch):
+def test_off_by_default_auto_keeps_its_policy(tuning, plan, rng, tmp_path, monkeypatch):
     monkeypatch.delenv(autotune.ENVIRONMENT_SWITCH, raising=False)
     autotune.enable(None)  # the environment decides
     assert not autotune.enabled()
     assert run(plan, rng, 2)[1] == "torch_compact"
+    assert tuning == [] and not (tmp_path / "autotune.json").exists()
     monkeypatch.setenv(autotune.ENVIRONMENT_SWITCH, "1")
+    assert not autotune.enabled()  # read once
+    autotune.enable(None)
     assert autotune.enabled()
 
 
@@ -116,10 +120,60 @@ def test_real_measurement_picks_a_candidate_and_results_stay_right(plan, rng, tm
         y, ran = knn_conv_with_backend(x, weight, bias, plan, "auto")
         expected, _ = knn_conv_with_backend(x, weight, bias, plan, "reference")
     finally:
-        autotune.enable(False)
+        autotune.enable(None)
         autotune.forget()
     assert ran in autotune.candidates(plan, torch.device("cpu"), torch.float64)
     assert rel_err(y, expected) < 1e-12
     [record] = json.loads((tmp_path / "autotune.json").read_text()).values()
     assert record["backend"] == ran and set(record["step_ms"]) == {"torch_binned",
                                                                    "torch_compact"}
+
+
+def test_a_malformed_record_is_measured_again(tuning, plan, rng, tmp_path):
+    key = autotune.cell_key(plan, 2, torch.device("cpu"), torch.float32)
+    (tmp_path / "autotune.json").write_text(json.dumps({key: "torch_compact", "other": {}}))
+    assert run(plan, rng, 2)[1] == "torch_binned"
+    assert len(tuning) == 2
+
+
+def test_an_unwritable_directory_keeps_the_choice_in_the_process(tuning, plan, rng, tmp_path,
+                                                                  monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(autotune.CACHE_DIRECTORY, str(blocker / "below"))
+    with pytest.warns(UserWarning, match="could not write the autotune file"):
+        assert run(plan, rng, 2)[1] == "torch_binned"
+    assert run(plan, rng, 2)[1] == "torch_binned"
+    assert len(tuning) == 2
+
+
+def test_a_failing_candidate_is_left_out(tuning, plan, rng, monkeypatch):
+    def binned_fails(name, plan, batch, device, dtype):
+        if name == "torch_binned":
+            raise RuntimeError("out of memory")
+        return 2.0
+
+    monkeypatch.setattr(autotune, "step_ms", binned_fails)
+    with pytest.warns(UserWarning, match="torch_binned failed"):
+        assert run(plan, rng, 2)[1] == "torch_compact"
+
+
+def test_threads_measure_a_cell_once(tuning, plan, rng):
+    barrier, ran = threading.Barrier(4), []
+
+    def call():
+        barrier.wait()
+        ran.append(run(plan, torch.Generator().manual_seed(1), 2)[1])
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert ran == ["torch_binned"] * 4 and len(tuning) == 2
+
+
+def test_no_measuring_during_capture(tuning, plan, rng, monkeypatch):
+    monkeypatch.setattr(autotune, "_capturing", lambda device: True)
+    assert run(plan, rng, 2)[1] == "torch_compact"
+    assert tuning == []

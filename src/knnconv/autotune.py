@@ -1,14 +1,16 @@
 """Measured backend choice for ``backend="auto"``, opt in: ``KNNCONV_AUTOTUNE=1`` in the
-environment, or :func:`enable`.
+environment (read once; ``enable(None)`` rereads it), or :func:`enable`.
 
-The first ``auto`` call of a cell (device, torch version, compute dtype, batch, layer
-geometry) times one forward and backward of every backend that can serve it, on random
+The first ``auto`` call of a cell (device, knnconv and torch versions, compute dtype, batch,
+layer geometry) times one forward and backward of every backend that can serve it, on random
 operands of the call's shapes, and keeps the fastest; later calls, and later processes, read
 the choice from a JSON file (``$KNNCONV_CACHE_DIR/autotune.json``, by default
 ``~/.cache/knnconv``). Nothing is timed while a CUDA graph is being captured or under
 deterministic algorithms (those calls take a stored choice, else the heuristic policy), and
-torch.compile traces the heuristic policy (its batch may be symbolic). The backend that ran
-is, as always, in ``knn_conv_with_backend``'s result and a module's ``last_backend``.
+torch.compile traces the heuristic policy (its batch may be symbolic). A candidate that fails
+to run (out of memory, say) is left out with a warning. Candidates keep the tables they
+built while being measured. The backend that ran is, as always, in ``knn_conv_with_backend``'s
+result and a module's ``last_backend``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from . import __version__
 from .ops.registry import available_backends, get_ops
 from .plan import KNNConvPlan
 
@@ -33,22 +36,24 @@ CACHE_DIRECTORY = "KNNCONV_CACHE_DIR"
 CANDIDATES = ("cuda", "torch_binned", "torch_compact")
 TIMED_STEPS = 3
 
-_enabled: bool | None = None  # None: the environment decides
-_lock = threading.Lock()
+_enabled: bool | None = None  # None: not yet read from the environment
+_lock = threading.Lock()  # measuring and the file; lookups of known cells do not take it
 _choices: dict[str, dict] | None = None  # the file's content, read once
+_memo: dict[tuple, str | None] = {}  # (plan handle, batch, device, dtype, deterministic)
 
 
 def enable(on: bool | None = True) -> None:
     """Turn measured choices on or off for this process, overriding the environment (None:
-    the environment decides again)."""
+    read the environment again)."""
     global _enabled
     _enabled = on
 
 
 def enabled() -> bool:
-    if _enabled is not None:
-        return _enabled
-    return os.environ.get(ENVIRONMENT_SWITCH, "") not in ("", "0")
+    global _enabled
+    if _enabled is None:
+        _enabled = os.environ.get(ENVIRONMENT_SWITCH, "") not in ("", "0")
+    return _enabled
 
 
 def cache_path() -> Path:
@@ -61,6 +66,16 @@ def forget() -> None:
     global _choices
     with _lock:
         _choices = None
+        _memo.clear()
+
+
+def _read_file(path: Path) -> dict[str, dict]:
+    """The file's valid records ({key: {"backend": str, ...}}); others are dropped."""
+    content = json.loads(path.read_text()) if path.exists() else {}
+    if not isinstance(content, dict):
+        raise ValueError("not a JSON object")
+    return {key: record for key, record in content.items()
+            if isinstance(record, dict) and isinstance(record.get("backend"), str)}
 
 
 def _stored() -> dict[str, dict]:
@@ -68,28 +83,37 @@ def _stored() -> dict[str, dict]:
     if _choices is None:
         path = cache_path()
         try:
-            _choices = json.loads(path.read_text()) if path.exists() else {}
-            if not isinstance(_choices, dict):
-                raise ValueError("not a JSON object")
+            _choices = _read_file(path)
         except (OSError, ValueError) as exc:
             warnings.warn(f"knnconv: ignoring the autotune file {path} ({exc}); it will be "
-                          "rewritten", stacklevel=3)
+                          "rewritten", stacklevel=4)
             _choices = {}
     return _choices
 
 
 def _store(key: str, record: dict) -> None:
+    """Add a choice to this process's and to the file's, keeping what other processes wrote
+    there since it was read."""
     choices = _stored()
     choices[key] = record
     path = cache_path()
+    partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}")
-        partial.write_text(json.dumps(choices, indent=1, sort_keys=True))
+        try:
+            merged = {**_read_file(path), key: record}
+        except (OSError, ValueError):
+            merged = dict(choices)
+        partial.write_text(json.dumps(merged, indent=1, sort_keys=True))
         os.replace(partial, path)  # readers see the old file or the new one, never a part
     except OSError as exc:
         warnings.warn(f"knnconv: could not write the autotune file {path} ({exc}); the "
-                      "choice holds for this process only", stacklevel=3)
+                      "choice holds for this process only", stacklevel=4)
+    finally:
+        try:
+            partial.unlink(missing_ok=True)
+        except OSError:  # its directory could not be made
+            pass
 
 
 def _device_label(device: torch.device) -> str:
@@ -109,9 +133,9 @@ def _geometry_digest(plan: KNNConvPlan) -> str:
 
 
 def cell_key(plan: KNNConvPlan, batch: int, device: torch.device, dtype: torch.dtype) -> str:
-    return (f"{_device_label(device)} | torch {torch.__version__} | {dtype} | B={batch} | "
-            f"Cin={plan.cin} Cout={plan.cout} K={plan.k} V={plan.v} Nin={plan.nin} "
-            f"Nout={plan.nout} | {_geometry_digest(plan)}")
+    return (f"{_device_label(device)} | knnconv {__version__} | torch {torch.__version__} | "
+            f"{dtype} | B={batch} | Cin={plan.cin} Cout={plan.cout} K={plan.k} V={plan.v} "
+            f"Nin={plan.nin} Nout={plan.nout} | {_geometry_digest(plan)}")
 
 
 def candidates(plan: KNNConvPlan, device: torch.device, dtype: torch.dtype) -> list[str]:
@@ -129,9 +153,11 @@ def candidates(plan: KNNConvPlan, device: torch.device, dtype: torch.dtype) -> l
     return names
 
 
-def _measuring_is_unsafe(device: torch.device) -> bool:
-    return torch.are_deterministic_algorithms_enabled() or (
-        device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+def _capturing(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def step_ms(name: str, plan: KNNConvPlan, batch: int, device: torch.device,
@@ -155,7 +181,7 @@ def step_ms(name: str, plan: KNNConvPlan, batch: int, device: torch.device,
             torch.cuda.synchronize(device)
 
     times = []
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast(device.type, enabled=False):
         for index in range(TIMED_STEPS + 1):
             start = time.perf_counter()
             step()
@@ -164,12 +190,30 @@ def step_ms(name: str, plan: KNNConvPlan, batch: int, device: torch.device,
     return statistics.median(times)
 
 
+def _measure(names: list[str], plan: KNNConvPlan, batch: int, device: torch.device,
+             dtype: torch.dtype) -> dict[str, float]:
+    times = {}
+    for name in names:
+        try:
+            times[name] = step_ms(name, plan, batch, device, dtype)
+        except Exception as exc:  # noqa: BLE001 (any failure rules the candidate out)
+            warnings.warn(f"knnconv autotune: {name} failed on this call's shapes and is left "
+                          f"out ({type(exc).__name__}: {exc})", stacklevel=5)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return times
+
+
 def choose(plan: KNNConvPlan, batch: int, device: torch.device,
            dtype: torch.dtype) -> str | None:
     """The measured choice for this cell, measuring it first if it has none and measuring
     is safe here; None when disabled or when the heuristic policy should decide."""
     if not enabled() or torch.compiler.is_compiling():  # a traced batch may be symbolic
         return None
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    memo_key = (plan.handle, batch, device, dtype, deterministic)
+    if memo_key in _memo:
+        return _memo[memo_key]
     if batch == 0 or device.type == "meta":
         return None
     names = candidates(plan, device, dtype)
@@ -178,15 +222,14 @@ def choose(plan: KNNConvPlan, batch: int, device: torch.device,
     key = cell_key(plan, batch, device, dtype)
     with _lock:
         stored = _stored().get(key)
-    if stored is not None and stored.get("backend") in names:
-        return stored["backend"]
-    if _measuring_is_unsafe(device):
-        return None
-    with _lock:  # one thread measures a cell; the others wait and read its choice
-        stored = _stored().get(key)
-        if stored is not None and stored.get("backend") in names:
+        if stored is not None and stored["backend"] in names:
+            _memo[memo_key] = stored["backend"]
             return stored["backend"]
-        times = {name: step_ms(name, plan, batch, device, dtype) for name in names}
-        best = min(times, key=times.__getitem__)
-        _store(key, {"backend": best, "step_ms": times})
+        if deterministic or _capturing(device):
+            return None  # not remembered: measuring may be safe on a later call
+        times = _measure(names, plan, batch, device, dtype)
+        best = min(times, key=times.__getitem__) if times else None
+        if best is not None:
+            _store(key, {"backend": best, "step_ms": times})
+        _memo[memo_key] = best
     return best

@@ -3,7 +3,7 @@
 import torch
 
 from knnconv import get_ops, make_plan
-from knnconv.ops.torch_binned import bin_sources
+from knnconv.ops.torch_binned import BinTables, bin_sources
 
 BINNED = get_ops("torch_binned")
 
@@ -27,6 +27,21 @@ def test_bin_sources_rank_neighbours_sharing_a_cell_and_address_padding():
                                                    [pad, pad, base + 1]]
 
 
+def test_bin_tables_keep_first_neighbours_dense_and_list_the_rest_by_node():
+    knn = torch.tensor([[4, 0], [1, 5], [3, 2], [5, 1]])
+    rf = torch.tensor([[1, 0, 1, 2], [2, 2, 2, 2]])
+    sources = bin_sources(knn, rf, 2, 5, 3)
+    tables = BinTables.build(sources, padding_address=10)
+    assert torch.equal(tables.first, sources[0])
+    # Further neighbours: node 0 cell 1 (address 3, 8 in channels 0, 1); node 1 cell 2, twice.
+    assert tables.extra_start == [0, 2, 6]
+    assert tables.extra_position.tolist() == [1, 4, 8, 11, 8, 11]
+    assert tables.extra_address.tolist() == [3, 8, 2, 7, 1, 6]
+    positions, addresses = tables.extras(1, 2)
+    assert positions.tolist() == [2, 5, 2, 5] and addresses.tolist() == [2, 7, 1, 6]
+    assert tables.extras(0, 0) is None
+
+
 def test_all_padding_gives_one_rank_of_padding_addresses():
     knn = torch.full((3, 2), 4)
     sources = bin_sources(knn, torch.zeros(2, 3, dtype=torch.int64), 2, 4, 1)
@@ -42,3 +57,13 @@ def test_a_neighbour_listed_twice_counts_twice(rng):
     weight = torch.tensor([[10.0, 1.0]], dtype=torch.float64)
     y = BINNED.forward(plan, x, weight, None)
     assert y.tolist() == [[[2 * 1.0 * 10 + 3.0 * 1, 2.0 * 1 + (2.0 + 4.0) * 10]]]
+
+
+def test_weight_gradient_sums_every_row_in_float32():
+    # 256 x 300 products of ones per weight: 76800 overflows fp16 (max 65504) unless the sum
+    # over all B*Nout rows is kept in float32.
+    knn = torch.zeros(1, 300, dtype=torch.int64)
+    plan = make_plan(knn, torch.zeros(300, 1, dtype=torch.int64), nin=1, v=1, cin=1, cout=1)
+    ones = torch.ones(256, 1, 1, dtype=torch.float16)
+    grad_weight = BINNED.grad_weight(plan, torch.ones(256, 1, 300, dtype=torch.float16), ones)
+    assert grad_weight.dtype == torch.float32 and grad_weight.item() == 76800

@@ -139,6 +139,19 @@ def get_ops(name: str) -> KNNConvOps:
     return ops
 
 
+_autotune_choose: Callable | None = None
+
+
+def _autotuned(plan: KNNConvPlan, batch: int, device: torch.device,
+               dtype: torch.dtype) -> str | None:
+    global _autotune_choose
+    if _autotune_choose is None:  # imported on first use: knnconv.autotune imports this module
+        from ..autotune import choose
+
+        _autotune_choose = choose
+    return _autotune_choose(plan, batch, device, dtype)
+
+
 def resolve_backend(name: str, plan: KNNConvPlan, device: torch.device, dtype: torch.dtype,
                     batch: int | None = None) -> KNNConvOps:
     """The backend that will serve a call: ``name`` itself, or the auto policy's choice.
@@ -150,9 +163,7 @@ def resolve_backend(name: str, plan: KNNConvPlan, device: torch.device, dtype: t
     """
     if name == "auto":
         if batch is not None:
-            from ..autotune import choose
-
-            tuned = choose(plan, batch, device, dtype)
+            tuned = _autotuned(plan, batch, device, dtype)
             if tuned is not None:
                 return get_ops(tuned)
         if device.type == "cuda" and "cuda" in available_backends():

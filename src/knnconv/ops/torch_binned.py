@@ -4,13 +4,16 @@ then dense GEMMs shared by every node.
 Xbin[b, n, c*V + v] is the sum of x[b, c, knn[k, n]] over node n's real neighbours k in cell
 v (rf[n, k] == v). Then y[b, :, n] = W @ Xbin[b, n] + bias with the one weight matrix, and the
 backward is dense too: dW = gᵀ·Xbin and dXbin = g·W over B*Nout rows. The bins are gathered
-through a table of source addresses (one table per rank when several neighbours of a node
-share a cell), and dx flows back through the same tables with index_add_ in float32. Where V
-is much larger than K the bins are mostly zeros, and torch_compact, which multiplies only the
-K real slots per node, moves less.
+through a table holding each cell's first neighbour; the cells holding more than one (a
+fifth of the cells of the published K = V layers, none of their V = 4K layers) add the others
+from a list with index_add_. dx flows back through the same table and list with index_add_ in
+float32 (float64 for float64 inputs). Where V is much larger than K the bins are mostly zeros, and
+torch_compact, which multiplies only the K real slots per node, moves less.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -39,6 +42,62 @@ def bin_sources(knn_indices: torch.Tensor, rf_index: torch.Tensor, cin: int, nin
     return sources.reshape(ranks, nout, cin * v)
 
 
+@dataclass
+class BinTables:
+    """bin_sources split for gathering: every cell's first neighbour as a dense table, and the
+    rare further neighbours as a list sorted by node."""
+
+    first: torch.Tensor  # int64 [Nout, Cin*V]: bin_sources' rank 0
+    extra_position: torch.Tensor  # int64 [E]: n*Cin*V + c*V + v of a further neighbour
+    extra_address: torch.Tensor  # int64 [E]: its address, c*Nin + knn[k, n]
+    extra_start: list[int]  # [Nout + 1]: node n's entries are [extra_start[n], [n + 1])
+
+    @classmethod
+    def build(cls, sources: torch.Tensor, padding_address: int) -> BinTables:
+        ranks, nout, q = sources.shape
+        further = sources[1:].permute(1, 0, 2)  # [Nout, ranks - 1, Q], node-major
+        node, _, position = (further != padding_address).nonzero(as_tuple=True)
+        counts = torch.bincount(node, minlength=nout)
+        extra_start = [0] + torch.cumsum(counts, 0).tolist()
+        return cls(sources[0].contiguous(), node * q + position,
+                   further[further != padding_address], extra_start)
+
+    def to(self, device: torch.device) -> BinTables:
+        return BinTables(self.first.to(device), self.extra_position.to(device),
+                         self.extra_address.to(device), self.extra_start)
+
+    def extras(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Nodes [start, stop)'s further neighbours: (their positions in the chunk's bins,
+        their addresses), or None if there are none."""
+        low, high = self.extra_start[start], self.extra_start[stop]
+        if low == high:
+            return None
+        offset = start * self.first.shape[1]
+        return self.extra_position[low:high] - offset, self.extra_address[low:high]
+
+
+_OUT_DTYPE_MATMUL: dict[str, bool] = {}  # device type -> whether mm takes out_dtype
+
+
+def matmul_accumulating(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """a @ b summed and returned in ``acc``: dW sums B*Nout products, which overflow fp16.
+
+    Where torch.mm takes out_dtype (CUDA in recent releases) the half-precision GEMM writes
+    fp32 directly; elsewhere the operands are widened first.
+    """
+    if a.dtype == acc:
+        return a @ b
+    device_type = a.device.type
+    if _OUT_DTYPE_MATMUL.get(device_type, device_type == "cuda"):
+        try:
+            result = torch.mm(a, b, out_dtype=acc)
+            _OUT_DTYPE_MATMUL[device_type] = True
+            return result
+        except (TypeError, RuntimeError, NotImplementedError):
+            _OUT_DTYPE_MATMUL[device_type] = False
+    return a.to(acc) @ b.to(acc)
+
+
 class TorchBinnedOps(KNNConvOps):
     name = "torch_binned"
 
@@ -46,35 +105,35 @@ class TorchBinnedOps(KNNConvOps):
         self.memory_budget = memory_budget
 
     @staticmethod
-    def _sources(plan: KNNConvPlan, device: torch.device) -> torch.Tensor:
-        # Built from the host tables: their rank count depends on the data, which a meta
-        # device does not hold.
+    def _tables(plan: KNNConvPlan, device: torch.device) -> BinTables:
+        # Built from the host tables: their sizes depend on the data, which a meta device
+        # does not hold.
         def build(_device_tables):
             host = plan.on("cpu")
-            return bin_sources(host.knn_indices, host.rf_index, plan.cin, plan.nin,
-                               plan.v).to(device)
-        return plan.derived(device, "torch_binned.sources", build)
+            sources = bin_sources(host.knn_indices, host.rf_index, plan.cin, plan.nin, plan.v)
+            return BinTables.build(sources, plan.cin * plan.nin).to(device)
+        return plan.derived(device, "torch_binned.tables", build)
 
     def _node_chunks(self, plan: KNNConvPlan, batch: int, element_size: int):
-        # Per node: its bins (and a float32 copy while ranks are summed or dx flows back),
-        # its output or output-gradient rows.
-        per_node = batch * (plan.q * (element_size + 4) + plan.cout * (element_size + 4))
+        # Per node, at most (the combined backward): its bins, their gradient, a float32 sum
+        # of one of them, and its output-gradient rows with their float32 product.
+        per_node = batch * (plan.q * (2 * element_size + 4) + plan.cout * (element_size + 4))
         step = max(1, min(plan.nout, self.memory_budget // max(per_node, 1)))
         for start in range(0, plan.nout, step):
             yield start, min(start + step, plan.nout)
 
     @staticmethod
-    def _bins(flat: torch.Tensor, sources: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    def _bins(flat: torch.Tensor, tables: BinTables, start: int, stop: int) -> torch.Tensor:
         """Xbin of nodes [start, stop) as rows (b, n): [B * (stop - start), Cin*V]. Cells
         holding several neighbours are summed in at least float32."""
-        addresses = sources[:, start:stop].reshape(sources.shape[0], -1)
-        bins = flat[:, addresses[0]]
-        if addresses.shape[0] > 1:
+        bins = flat[:, tables.first[start:stop].reshape(-1)]
+        extras = tables.extras(start, stop)
+        if extras is not None:
+            positions, addresses = extras
             bins = bins.to(accumulation_dtype(flat.dtype))
-            for rank_addresses in addresses[1:]:
-                bins += flat[:, rank_addresses]
+            bins.index_add_(1, positions, flat[:, addresses].to(bins.dtype))
             bins = bins.to(flat.dtype)
-        return bins.view(-1, sources.shape[2])
+        return bins.view(-1, tables.first.shape[1])
 
     @staticmethod
     def _gradient_rows(grad_y: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -83,11 +142,11 @@ class TorchBinnedOps(KNNConvOps):
 
     def forward(self, plan, x, weight, bias):
         batch = x.shape[0]
-        sources = self._sources(plan, x.device)
+        tables = self._tables(plan, x.device)
         flat = padded_flat_input(plan, x)
         y = torch.empty(batch, plan.nout, plan.cout, dtype=x.dtype, device=x.device)
         for start, stop in self._node_chunks(plan, batch, x.element_size()):
-            rows = self._bins(flat, sources, start, stop) @ weight.t()
+            rows = self._bins(flat, tables, start, stop) @ weight.t()
             y[:, start:stop] = rows.view(batch, stop - start, plan.cout)
         if bias is not None:
             y += bias.to(y.dtype)
@@ -105,7 +164,7 @@ class TorchBinnedOps(KNNConvOps):
     def _gradients(self, plan, grad_y, x, weight):
         """(dx or None without weight, dW or None without x), one pass over the node chunks."""
         batch = grad_y.shape[0]
-        sources = self._sources(plan, grad_y.device)
+        tables = self._tables(plan, grad_y.device)
         acc = accumulation_dtype(grad_y.dtype)
         grad_flat = grad_weight = flat = None
         if weight is not None:
@@ -118,11 +177,15 @@ class TorchBinnedOps(KNNConvOps):
         for start, stop in self._node_chunks(plan, batch, grad_y.element_size()):
             rows = self._gradient_rows(grad_y, start, stop)
             if flat is not None:
-                grad_weight += (rows.t() @ self._bins(flat, sources, start, stop)).to(acc)
+                grad_weight += matmul_accumulating(rows.t(), self._bins(flat, tables, start,
+                                                                        stop), acc)
             if grad_flat is not None:
                 grad_bins = (rows @ weight).to(acc).view(batch, -1)
-                for rank_addresses in sources[:, start:stop].reshape(sources.shape[0], -1):
-                    grad_flat.index_add_(1, rank_addresses, grad_bins)
+                grad_flat.index_add_(1, tables.first[start:stop].reshape(-1), grad_bins)
+                extras = tables.extras(start, stop)
+                if extras is not None:
+                    positions, addresses = extras
+                    grad_flat.index_add_(1, addresses, grad_bins[:, positions])
         grad_x = None
         if grad_flat is not None:
             grad_x = grad_flat[:, : plan.cin * plan.nin].view(batch, plan.cin, plan.nin)
