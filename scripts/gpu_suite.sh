@@ -40,7 +40,7 @@ fi
 nvidia-smi >"$out/logs/nvidia-smi.txt" 2>&1
 stage tests 300 python3 -m pytest tests -m gpu -v -p no:cacheprovider --durations=12
 stage bench 150 python3 -m knnconv.bench --geometry "$geometry" --out "$out" --dtypes float16 \
-  --check --repeats 10 --warmup 2
+  --backends reference,torch_compact,cuda --check --repeats 10 --warmup 2
 stage networks 60 python3 -m knnconv.bench_networks --geometry "$geometry" --out "$out"
 stage bench_bf16 60 python3 -m knnconv.bench --geometry "$geometry" --out "$out" \
   --dtypes bfloat16 --backends cuda --name h200_bf16 --repeats 10 --warmup 2
@@ -53,6 +53,10 @@ stage initcheck 40 compute-sanitizer --tool initcheck --error-exitcode 9 \
 stage synccheck 40 compute-sanitizer --tool synccheck --error-exitcode 9 \
   python3 scripts/sanitize_kernels.py
 stage relayouts 60 python3 scripts/bench_relayouts.py "$out/logs/relayouts.json"
+# torch_binned (not yet timed on a GPU) apart, so its time cannot cut the main bench short
+stage bench_binned 120 python3 -m knnconv.bench --geometry "$geometry" --out "$out/logs" \
+  --dtypes float16 --backends torch_binned,cuda --modes forward,train --check --repeats 5 \
+  --warmup 1 --name h200_binned
 stage anchor 240 python3 scripts/bench_anchor.py "$geometry" "$out/logs/anchor.json"
 stage neighbourhood 120 python3 scripts/bench_neighbourhood.py "$out/logs/neighbourhood.json"
 stage demo 60 python3 -m knnconv demo --out "$out/demo.png"
