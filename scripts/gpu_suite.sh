@@ -9,8 +9,8 @@
 # pip wheel --no-deps "antlr4-python3-runtime==4.9.3" -w WHEEL_DIR; its other imports are
 # common).
 # Results (h200*.json/csv/png, networks.json, demo.png) land in OUTDIR; every stage's log, and
-# the neighbourhood, re-layout and same-run anchor benchmarks' JSON/PNG (the anchor stage needs
-# fovi, from WHEEL_DIR), in OUTDIR/logs.tar.gz; each stage's exit status and time are
+# the neighbourhood, re-layout, torch_binned (h200_binned.*) and same-run anchor benchmarks'
+# JSON/PNG (the anchor stage needs fovi, from WHEEL_DIR), in OUTDIR/logs.tar.gz; each stage's exit status and time are
 # summarised in OUTDIR/summary.txt.
 # KNNCONV_STAGES="tests bench ..." runs only the stages named (install and wheels always run).
 set -uo pipefail

@@ -147,7 +147,7 @@ def test_an_unwritable_directory_keeps_the_choice_in_the_process(tuning, plan, r
     assert len(tuning) == 2
 
 
-def test_a_failing_candidate_is_left_out(tuning, plan, rng, monkeypatch):
+def test_a_failing_candidate_is_left_out(tuning, plan, rng, tmp_path, monkeypatch):
     def binned_fails(name, plan, batch, device, dtype):
         if name == "torch_binned":
             raise RuntimeError("out of memory")
@@ -156,6 +156,23 @@ def test_a_failing_candidate_is_left_out(tuning, plan, rng, monkeypatch):
     monkeypatch.setattr(autotune, "step_ms", binned_fails)
     with pytest.warns(UserWarning, match="torch_binned failed"):
         assert run(plan, rng, 2)[1] == "torch_compact"
+    assert not (tmp_path / "autotune.json").exists()  # a choice made short of a candidate
+    assert run(plan, rng, 2)[1] == "torch_compact"  # holds for the process
+
+
+def test_all_candidates_failing_leaves_the_policy_and_retries(tuning, plan, rng, monkeypatch):
+    attempts = []
+
+    def everything_fails(name, plan, batch, device, dtype):
+        attempts.append(name)
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(autotune, "step_ms", everything_fails)
+    with pytest.warns(UserWarning):
+        assert run(plan, rng, 2)[1] == "torch_compact"
+    with pytest.warns(UserWarning):
+        run(plan, rng, 2)
+    assert len(attempts) == 4
 
 
 def test_threads_measure_a_cell_once(tuning, plan, rng):

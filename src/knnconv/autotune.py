@@ -8,8 +8,11 @@ the choice from a JSON file (``$KNNCONV_CACHE_DIR/autotune.json``, by default
 ``~/.cache/knnconv``). Nothing is timed while a CUDA graph is being captured or under
 deterministic algorithms (those calls take a stored choice, else the heuristic policy), and
 torch.compile traces the heuristic policy (its batch may be symbolic). A candidate that fails
-to run (out of memory, say) is left out with a warning. Candidates keep the tables they
-built while being measured. The backend that ran is, as always, in ``knn_conv_with_backend``'s
+to run (out of memory, say) is left out with a warning, and a choice made without it is
+not written to the file. Candidates keep the tables they built while being measured. Choices
+are remembered per plan in the process (``forget()`` drops them, e.g. after moving the
+file); the file's keys hold the knnconv version, so delete it after changing the code
+without changing the version. The backend that ran is, as always, in ``knn_conv_with_backend``'s
 result and a module's ``last_backend``.
 """
 
@@ -211,7 +214,7 @@ def choose(plan: KNNConvPlan, batch: int, device: torch.device,
     if not enabled() or torch.compiler.is_compiling():  # a traced batch may be symbolic
         return None
     deterministic = torch.are_deterministic_algorithms_enabled()
-    memo_key = (plan.handle, batch, device, dtype, deterministic)
+    memo_key = (plan.handle, batch, device, dtype, deterministic, torch.get_num_threads())
     if memo_key in _memo:
         return _memo[memo_key]
     if batch == 0 or device.type == "meta":
@@ -225,11 +228,19 @@ def choose(plan: KNNConvPlan, batch: int, device: torch.device,
         if stored is not None and stored["backend"] in names:
             _memo[memo_key] = stored["backend"]
             return stored["backend"]
-        if deterministic or _capturing(device):
-            return None  # not remembered: measuring may be safe on a later call
+        if deterministic:
+            _memo[memo_key] = None  # this key never measures
+            return None
+        if _capturing(device):
+            return None  # not remembered: a later call may measure
         times = _measure(names, plan, batch, device, dtype)
-        best = min(times, key=times.__getitem__) if times else None
-        if best is not None:
+        if not times:
+            return None  # every candidate failed; a later call tries again
+        best = min(times, key=times.__getitem__)
+        if len(times) == len(names):
             _store(key, {"backend": best, "step_ms": times})
+        # else a candidate failed, perhaps for lack of memory at that moment: the choice
+        # holds for this process only
         _memo[memo_key] = best
+        _memo.pop(memo_key[:4] + (True,) + memo_key[5:], None)  # deterministic calls look again
     return best

@@ -80,7 +80,8 @@ _OUT_DTYPE_MATMUL: dict[str, bool] = {}  # device type -> whether mm takes out_d
 
 
 def matmul_accumulating(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """a @ b summed and returned in ``acc``: dW sums B*Nout products, which overflow fp16.
+    """a @ b summed and returned in ``acc``: dW sums B*Nout products, which overflow fp16,
+    and the gradient of the bins is kept unrounded for dx's sums.
 
     Where torch.mm takes out_dtype (CUDA in recent releases) the half-precision GEMM writes
     fp32 directly; elsewhere the operands are widened first.
@@ -93,6 +94,8 @@ def matmul_accumulating(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> t
             result = torch.mm(a, b, out_dtype=acc)
             _OUT_DTYPE_MATMUL[device_type] = True
             return result
+        except torch.cuda.OutOfMemoryError:
+            raise  # says nothing about out_dtype
         except (TypeError, RuntimeError, NotImplementedError):
             _OUT_DTYPE_MATMUL[device_type] = False
     return a.to(acc) @ b.to(acc)
@@ -180,7 +183,7 @@ class TorchBinnedOps(KNNConvOps):
                 grad_weight += matmul_accumulating(rows.t(), self._bins(flat, tables, start,
                                                                         stop), acc)
             if grad_flat is not None:
-                grad_bins = (rows @ weight).to(acc).view(batch, -1)
+                grad_bins = matmul_accumulating(rows, weight, acc).view(batch, -1)
                 grad_flat.index_add_(1, tables.first[start:stop].reshape(-1), grad_bins)
                 extras = tables.extras(start, stop)
                 if extras is not None:
