@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from knnconv.bench import (
+    comma_list,
     geomean,
     int_at_least,
     load_geometry_dir,
@@ -77,11 +78,11 @@ def fresh_operands(inputs):
     return reset
 
 
-def peak_mib(step, reset, before: int) -> float:
-    """Peak MiB allocated during a step (after three warm ones) above ``before``, what was
-    allocated before the backend's first call: what it keeps between calls counts, the
-    one-off allocations of its first calls do not."""
-    for _ in range(3):
+def peak_mib(step, reset, before: int, warm_steps: int = 3) -> float:
+    """Peak MiB allocated during a step (after ``warm_steps`` warm ones) above ``before``,
+    what was allocated before the backend's first call: what it keeps between calls counts,
+    the one-off allocations of its first calls do not."""
+    for _ in range(warm_steps):
         reset()
         step()
     reset()
@@ -166,23 +167,25 @@ def network_peak_mib(directory: Path, model: str, batch: int, backend: str) -> f
     def step():
         outputs = [forward() for forward in forwards]
         torch.autograd.backward(outputs, [inputs.grad_y for inputs in operands])
+
+    def clear_grads():
         for inputs in operands:
             inputs.clear_grads()
 
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - before) / MIB
+    return peak_mib(step, clear_grads, before, warm_steps=1)
 
 
-def summarize(rows: list[dict]) -> dict:
+def paired_cells(rows: list[dict]) -> dict[tuple, dict]:
+    """(layer, batch) -> {backend: row} for the cells where both backends ran."""
     cells: dict[tuple, dict] = {}
     for row in rows:
         if row["status"] == "ok":
             cells.setdefault((row["layer"], row["batch"]), {})[row["backend"]] = row
-    pairs = [(c["cuda"], c["anchor"]) for c in cells.values() if len(c) == 2]
+    return {cell: both for cell, both in cells.items() if len(both) == len(BACKENDS)}
+
+
+def summarize(rows: list[dict]) -> dict:
+    pairs = [(both["cuda"], both["anchor"]) for both in paired_cells(rows).values()]
     summary = {"cells": len(pairs)}
     for mode in ("train", "forward", "train_fresh", "forward_fresh"):
         ratios = [a[f"{mode}_ms"] / c[f"{mode}_ms"] for c, a in pairs]
@@ -199,11 +202,8 @@ def plot(rows: list[dict], path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    by_cell: dict[tuple, dict] = {}
-    for row in rows:
-        if row["status"] == "ok":
-            by_cell.setdefault((row["layer"], row["batch"]), {})[row["backend"]] = row
-    cells = [cell for cell, both in by_cell.items() if len(both) == 2]
+    by_cell = paired_cells(rows)
+    cells = list(by_cell)
     figure = Figure(figsize=(max(8.0, 0.15 * len(cells)), 8.0))
     FigureCanvasAgg(figure)
     speed, memory = figure.subplots(2, 1, sharex=True)
@@ -235,8 +235,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("geometry", type=Path)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--batches", default="128,512,2048",
-                        type=lambda text: [int(b) for b in text.split(",")])
+    parser.add_argument("--batches", default=[128, 512, 2048],
+                        type=comma_list(int_at_least(1)))
     parser.add_argument("--repeats", type=int_at_least(1), default=10)
     parser.add_argument("--warmup", type=int_at_least(0), default=2)
     args = parser.parse_args()

@@ -47,7 +47,8 @@ def gpu_ms(call, calls: int = 20, rounds: int = 5) -> float:
 
 def case(name, src, src_strides, src_extents, dst_extents, dst_strides, dst_dtype, torch_copy,
          *, with_sums: bool = False) -> dict:
-    """One re-layout: transpose_pad against torch_copy() moving the same bytes."""
+    """One re-layout (transpose_pad or transpose_pairs, whichever the call takes) against
+    torch_copy() moving the same bytes."""
     index = DEVICE.index or 0
     relayout = _Transpose(src.dtype, dst_dtype, index, src_extents, dst_extents, dst_strides,
                           sums_z=with_sums)

@@ -157,7 +157,10 @@ def test_a_failing_candidate_is_left_out(tuning, plan, rng, tmp_path, monkeypatc
     with pytest.warns(UserWarning, match="torch_binned failed"):
         assert run(plan, rng, 2)[1] == "torch_compact"
     assert not (tmp_path / "autotune.json").exists()  # a choice made short of a candidate
-    assert run(plan, rng, 2)[1] == "torch_compact"  # holds for the process
+    measured = []
+    monkeypatch.setattr(autotune, "step_ms", lambda *args: measured.append(args) or 1.0)
+    assert run(plan, rng, 2)[1] == "torch_compact"  # holds for the process: not measured again
+    assert measured == []
 
 
 def test_all_candidates_failing_leaves_the_policy_and_retries(tuning, plan, rng, monkeypatch):

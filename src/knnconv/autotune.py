@@ -13,7 +13,8 @@ not written to the file. Candidates keep the tables they built while being measu
 are remembered per plan in the process (``forget()`` drops them, e.g. after moving the
 file); the file's keys hold the knnconv version, so delete it after changing the code
 without changing the version. The backend that ran is, as always, in ``knn_conv_with_backend``'s
-result and a module's ``last_backend``.
+result and a module's ``last_backend``. The choice is made on a training step's time and
+serves inference calls of the cell too.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ TIMED_STEPS = 3
 _enabled: bool | None = None  # None: not yet read from the environment
 _lock = threading.Lock()  # measuring and the file; lookups of known cells do not take it
 _choices: dict[str, dict] | None = None  # the file's content, read once
-_memo: dict[tuple, str | None] = {}  # (plan handle, batch, device, dtype, deterministic)
+_memo: dict[tuple, str | None] = {}  # _memo_key(...) -> choice, None for the policy's
 
 
 def enable(on: bool | None = True) -> None:
@@ -126,11 +127,10 @@ def _device_label(device: torch.device) -> str:
 
 
 def _geometry_digest(plan: KNNConvPlan) -> str:
-    def build(host) -> str:
+    def build(host) -> str:  # the sizes are spelled out in the key beside it
         digest = hashlib.sha256()
         for table in (host.knn_indices, host.rf_index):
             digest.update(table.numpy().tobytes())
-        digest.update(repr((plan.cin, plan.cout, plan.nin, plan.v)).encode())
         return digest.hexdigest()[:16]
     return plan.derived("cpu", "autotune.digest", build)
 
@@ -143,9 +143,9 @@ def cell_key(plan: KNNConvPlan, batch: int, device: torch.device, dtype: torch.d
 
 def candidates(plan: KNNConvPlan, device: torch.device, dtype: torch.dtype) -> list[str]:
     """The backends ``auto`` may measure for this call: those that load and can serve it."""
-    names = []
+    names, available = [], available_backends()
     for name in CANDIDATES:
-        if name not in available_backends():
+        if name not in available:
             continue
         try:
             ops = get_ops(name)
@@ -207,6 +207,11 @@ def _measure(names: list[str], plan: KNNConvPlan, batch: int, device: torch.devi
     return times
 
 
+def _memo_key(plan: KNNConvPlan, batch: int, device: torch.device, dtype: torch.dtype,
+              deterministic: bool) -> tuple:
+    return plan.handle, batch, device, dtype, deterministic, torch.get_num_threads()
+
+
 def choose(plan: KNNConvPlan, batch: int, device: torch.device,
            dtype: torch.dtype) -> str | None:
     """The measured choice for this cell, measuring it first if it has none and measuring
@@ -214,13 +219,14 @@ def choose(plan: KNNConvPlan, batch: int, device: torch.device,
     if not enabled() or torch.compiler.is_compiling():  # a traced batch may be symbolic
         return None
     deterministic = torch.are_deterministic_algorithms_enabled()
-    memo_key = (plan.handle, batch, device, dtype, deterministic, torch.get_num_threads())
+    memo_key = _memo_key(plan, batch, device, dtype, deterministic)
     if memo_key in _memo:
         return _memo[memo_key]
     if batch == 0 or device.type == "meta":
         return None
     names = candidates(plan, device, dtype)
     if len(names) < 2:
+        _memo[memo_key] = None
         return None
     key = cell_key(plan, batch, device, dtype)
     with _lock:
@@ -242,5 +248,6 @@ def choose(plan: KNNConvPlan, batch: int, device: torch.device,
         # else a candidate failed, perhaps for lack of memory at that moment: the choice
         # holds for this process only
         _memo[memo_key] = best
-        _memo.pop(memo_key[:4] + (True,) + memo_key[5:], None)  # deterministic calls look again
+        # deterministic calls of the cell may now take the stored choice
+        _memo.pop(_memo_key(plan, batch, device, dtype, deterministic=True), None)
     return best

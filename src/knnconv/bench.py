@@ -592,7 +592,7 @@ def default_name(device: torch.device) -> str:
     return re.sub(r"[^a-z0-9]+", "-", model).strip("-") or "cuda"
 
 
-def _comma_list(convert: Callable[[str], Any], choices=None) -> Callable[[str], list]:
+def comma_list(convert: Callable[[str], Any], choices=None) -> Callable[[str], list]:
     def parse(text: str) -> list:
         items = [convert(item.strip()) for item in text.split(",") if item.strip()]
         bad = [item for item in items if choices is not None and item not in choices]
@@ -620,16 +620,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "AlexNet-like and ResNet-like layers")
     parser.add_argument("--layers", action="append", metavar="SUBSTR",
                         help="keep layers whose name contains SUBSTR (repeatable)")
-    parser.add_argument("--batches", type=_comma_list(int_at_least(1)),
+    parser.add_argument("--batches", type=comma_list(int_at_least(1)),
                         default=list(DEFAULT_BATCHES),
                         help="comma-separated batch sizes (default "
                              f"{','.join(map(str, DEFAULT_BATCHES))})")
-    parser.add_argument("--dtypes", type=_comma_list(str, DTYPES), default=["float16"],
+    parser.add_argument("--dtypes", type=comma_list(str, DTYPES), default=["float16"],
                         help="comma-separated: float16, bfloat16, float32 (default float16)")
-    parser.add_argument("--backends", type=_comma_list(str),
+    parser.add_argument("--backends", type=comma_list(str),
                         help="comma-separated backends, 'auto' allowed (default: every "
                              "available backend, each where it can serve)")
-    parser.add_argument("--modes", type=_comma_list(str, MODES), default=list(MODES),
+    parser.add_argument("--modes", type=comma_list(str, MODES), default=list(MODES),
                         help="comma-separated: forward, train, train_graph (the training "
                              "step replayed as a CUDA graph; cuda backend on a GPU only) "
                              "(default all)")

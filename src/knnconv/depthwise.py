@@ -76,8 +76,9 @@ class KNNDepthwiseConv(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_features(x, self.nin, self.channels)
-        self.last_backend = resolve_neighbourhood_backend(self.backend, x, atomics=True,
-                                                          cells=self.v)
+        self.last_backend = resolve_neighbourhood_backend(
+            self.backend, x, atomics=True, cells=self.v,
+            dtype=promoted_dtype(x, self.weight, self.bias))
         if self.last_backend == "cuda":
             tables = self._native_tables.get(self.knn_indices, self.nin, self.slot_cells)
             return _NativeDepthwise.apply(x, self.weight, self.bias, tables, self.nin)
@@ -92,6 +93,13 @@ class KNNDepthwiseConv(nn.Module):
                 f"bias={self.bias is not None}, backend={self.backend!r}")
 
 
+def promoted_dtype(x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.dtype:
+    """The dtype torch's own ops compute the depthwise convolution in."""
+    dtype = torch.result_type(x, weight)
+    return dtype if bias is None else torch.promote_types(dtype, bias.dtype)
+
+
 class _NativeDepthwise(torch.autograd.Function):
     """The depthwise convolution on the native kernels, in the dtype torch's own ops would
     promote x, weight and bias to; dx is a gather over the reversed graph, dW sums per block
@@ -101,9 +109,7 @@ class _NativeDepthwise(torch.autograd.Function):
     def forward(ctx, x, weight, bias, tables, nin: int):
         from .ops.cuda import neighbourhood
 
-        dtype = torch.result_type(x, weight)
-        if bias is not None:
-            dtype = torch.promote_types(dtype, bias.dtype)
+        dtype = promoted_dtype(x, weight, bias)
         xc, wc = x.to(dtype).contiguous(), weight.to(dtype).contiguous()
         bc = None if bias is None else bias.to(dtype).contiguous()
         y = neighbourhood.depthwise_forward(xc, wc, bc, tables.knn, tables.cells, nin)

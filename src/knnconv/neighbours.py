@@ -57,7 +57,8 @@ def check_backend(backend) -> str:
 MAX_NATIVE_CELLS = 48 * 1024 // 4
 
 
-def _native_unsupported(x: torch.Tensor, atomics: bool, cells: int | None) -> str | None:
+def _native_unsupported(x: torch.Tensor, dtype: torch.dtype, atomics: bool,
+                        cells: int | None) -> str | None:
     if cells is not None and cells > MAX_NATIVE_CELLS:
         return (f"has V = {cells} kernel cells; its weight gradient holds at most "
                 f"{MAX_NATIVE_CELLS} in shared memory")
@@ -65,8 +66,8 @@ def _native_unsupported(x: torch.Tensor, atomics: bool, cells: int | None) -> st
         return f"needs CUDA tensors, got {x.device.type}"
     from .ops.cuda.neighbourhood import NATIVE_DTYPES
 
-    if x.dtype not in NATIVE_DTYPES:
-        return f"computes in float16/bfloat16/float32, got {x.dtype}"
+    if dtype not in NATIVE_DTYPES:
+        return f"computes in float16/bfloat16/float32, got {dtype}"
     if torch.compiler.is_compiling():
         return "is not traceable by torch.compile (backend='auto' uses torch ops there)"
     if atomics and torch.are_deterministic_algorithms_enabled():
@@ -78,14 +79,15 @@ def _native_unsupported(x: torch.Tensor, atomics: bool, cells: int | None) -> st
 
 
 def resolve_neighbourhood_backend(backend: str, x: torch.Tensor, *, atomics: bool,
-                    cells: int | None = None) -> str:
+                                  cells: int | None = None,
+                                  dtype: torch.dtype | None = None) -> str:
     """'torch' or 'cuda' for this call: 'auto' takes the native kernels wherever they serve;
     an explicit 'cuda' that cannot serve raises (never a silent fallback). ``atomics``: the
     backward accumulates with atomics (refused under deterministic algorithms); ``cells``:
-    the depthwise kernel's V."""
+    the depthwise kernel's V; ``dtype``: what the kernels would compute in (x's if None)."""
     if backend == "torch":
         return "torch"
-    reason = _native_unsupported(x, atomics, cells)
+    reason = _native_unsupported(x, x.dtype if dtype is None else dtype, atomics, cells)
     if backend == "cuda" and reason is not None:
         raise ValueError(f"backend 'cuda' cannot run this call: {reason}")
     return "cuda" if reason is None else "torch"

@@ -47,7 +47,8 @@ class KNNConvOps:
     # tensor; these say its shape (for the ops' fake implementations) and convert it.
     def saved_layout(self, plan: KNNConvPlan, batch: int, dtype: torch.dtype):
         """Shape of the tensor form of forward_saving's re-layout of a [batch, Cin, Nin] x in
-        ``dtype``, or None when forward_saving returns x itself."""
+        ``dtype``, or None when forward_saving returns x itself (never asked for batch 0,
+        which functional.forward_impl serves with x itself)."""
         return None
 
     def saved_tensor(self, saved_x) -> torch.Tensor:

@@ -23,6 +23,14 @@ def padded_flat_input(plan: KNNConvPlan, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([flat, flat.new_zeros(x.shape[0], 1)], dim=1)
 
 
+def node_chunks(nout: int, per_node_bytes: int, memory_budget: int):
+    """(start, stop) ranges of output nodes whose temporaries fit in ``memory_budget`` bytes
+    (at least one node per range)."""
+    step = max(1, min(nout, memory_budget // max(per_node_bytes, 1)))
+    for start in range(0, nout, step):
+        yield start, min(start + step, nout)
+
+
 class TorchCompactOps(KNNConvOps):
     name = "torch_compact"
 
@@ -33,10 +41,7 @@ class TorchCompactOps(KNNConvOps):
         # Per node: gathered inputs, gathered weights and the product, in the compute dtype,
         # plus the float32 copy the backward scatters.
         per_node = (batch * plan.p + plan.p * plan.cout + batch * max(plan.p, plan.cout))
-        per_node *= element_size + 4
-        step = max(1, min(plan.nout, self.memory_budget // max(per_node, 1)))
-        for start in range(0, plan.nout, step):
-            yield start, min(start + step, plan.nout)
+        return node_chunks(plan.nout, per_node * (element_size + 4), self.memory_budget)
 
     @staticmethod
     def _tables(plan: KNNConvPlan, device: torch.device):

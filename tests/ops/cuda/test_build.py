@@ -98,7 +98,7 @@ def test_default_instantiations_compile_without_spills(arch, tmp_path):
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on the PATH")
 def test_every_fragment_load_reads_shared_memory_in_both_dtypes(tmp_path):
     # Fragments are always staged in shared memory; a wmma.load without the .shared state
-    # space is a generic load ptxas cannot turn into ldmatrix (bf16 ran 1.2-1.6x slower).
+    # space is a generic load ptxas cannot turn into ldmatrix (bf16 ran 1.22-1.31x slower).
     names = [name for name in default_instantiations()
              if "knn_forward" in name or "knn_grad_" in name]
     result = _compile(names, "sm_90", tmp_path, "-ptx")
@@ -123,3 +123,15 @@ def test_nvrtc_newer_than_the_driver_is_refused(nvrtc, driver, refused):
     assert (reason is not None) == refused
     if refused:
         assert "13.1" in reason and "13.0" in reason
+
+
+def test_host_constants_match_the_kernel_headers():
+    from knnconv.ops.cuda import configs, launch
+
+    header = (KERNEL_DIR / "knn_common.cuh").read_text()
+    values = {name: int(value) for name, value in
+              re.findall(r"constexpr int (k\w+) = (\d+);", header)}
+    assert values["kPad"] == configs.SHARED_PAD
+    assert values["kLogTransposeElements"] == launch.LOG_TRANSPOSE_ELEMENTS
+    assert values["kTransposeThreads"] == launch.TRANSPOSE_THREADS
+    assert values["kPairsTile"] == launch.PAIRS_TILE

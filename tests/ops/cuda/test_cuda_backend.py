@@ -127,12 +127,19 @@ def test_entries_match_reference_on_edge_geometries(dtype, knobs, batch, algorit
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("algorithm", ("gather", "scatter"))
-def test_entries_match_reference_where_relayouts_take_two_element_accesses(dtype, algorithm):
+def test_entries_match_reference_where_relayouts_take_two_element_accesses(dtype, algorithm,
+                                                                           monkeypatch):
     # Every size above has an odd batch, so no re-layout there meets transpose_pairs' even
     # strides; an even batch of 64 and 96 nodes takes it for x, grad_y and the scatter's dx.
+    from knnconv.ops.cuda.launch import _Transpose
+
+    took_pairs, uses_pairs = [], _Transpose.uses_pairs
+    monkeypatch.setattr(_Transpose, "uses_pairs", lambda self, *args: (
+        took_pairs.append(uses_pairs(self, *args)) or took_pairs[-1]))
     case = make_case(64096, batch=64, cin=8, cout=34, dtype=dtype, nin=200, nout=96, k=9,
                      padding=0.2)
     check_all_entries(*case, algorithm=algorithm)
+    assert any(took_pairs)
 
 
 EXPLICIT = {

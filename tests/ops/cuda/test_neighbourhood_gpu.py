@@ -100,7 +100,14 @@ def test_depthwise_matches_float64(dtype, batch, channels, collisions):
 
 
 @pytest.mark.parametrize("frozen", ["x", "weight"])
-def test_depthwise_computes_only_the_needed_gradients(frozen):
+def test_depthwise_computes_only_the_needed_gradients(frozen, monkeypatch):
+    from knnconv.ops.cuda import neighbourhood
+
+    launched = []
+    for name in ("depthwise_grad_input", "depthwise_grad_weight"):
+        kernel = getattr(neighbourhood, name)
+        monkeypatch.setattr(neighbourhood, name, lambda *args, kernel=kernel, name=name, **kw: (
+            launched.append(name), kernel(*args, **kw))[1])
     geometry = random_geometry(torch.Generator().manual_seed(11), nin=40, nout=12, k=5)
     layer = KNNDepthwiseConv(4, geometry.knn_indices, geometry.rf_index, nin=40, v=geometry.v,
                              backend="cuda").to(DEVICE)
@@ -118,9 +125,11 @@ def test_depthwise_computes_only_the_needed_gradients(frozen):
     if frozen == "x":
         assert native_x.grad is None
         assert rel_err(layer.weight.grad, reference.weight.grad) < 1e-5
+        assert launched == ["depthwise_grad_weight"]
     else:
         assert layer.weight.grad is None
         assert rel_err(native_x.grad, x64.grad) < 1e-5
+        assert launched == ["depthwise_grad_input"]
 
 
 def test_depthwise_under_autocast_promotes_like_torch_ops():
@@ -129,12 +138,25 @@ def test_depthwise_under_autocast_promotes_like_torch_ops():
                                       v=geometry.v).to(DEVICE)
     x = torch.randn(9, 4, 40, device=DEVICE, dtype=torch.float16)
     with torch.autocast("cuda", dtype=torch.float16):
-        native = layer(x)
+        native, native_depthwise = layer(x), layer.depthwise(x)
         native_backend = layer.depthwise.last_backend
         layer.depthwise.backend = "torch"
-        expected = layer(x)
+        expected, expected_depthwise = layer(x), layer.depthwise(x)
     assert native_backend == "cuda" and native.dtype == expected.dtype
+    # The separable layer's Linear returns fp16 under autocast whatever the depthwise part
+    # computed in: the depthwise output itself must match torch ops' dtype.
+    assert native_depthwise.dtype == expected_depthwise.dtype
     assert rel_err(native, expected) < 2e-3
+
+
+def test_depthwise_auto_serves_dtypes_it_promotes_to_with_torch_ops():
+    # A float32 input into a float64 layer computes in float64, which the kernels lack:
+    # auto takes torch ops (deciding on x's dtype alone sent it to the kernels, which failed).
+    geometry = random_geometry(torch.Generator().manual_seed(12), nin=40, nout=12, k=5)
+    layer = KNNDepthwiseConv(4, geometry.knn_indices, geometry.rf_index, nin=40,
+                             v=geometry.v).to(DEVICE, torch.float64)
+    y = layer(torch.randn(3, 4, 40, device=DEVICE))
+    assert layer.last_backend == "torch" and y.dtype == torch.float64
 
 
 def test_determinism_rules():

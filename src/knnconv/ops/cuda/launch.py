@@ -38,11 +38,15 @@ from .configs import (
 )
 
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
-LOG_TRANSPOSE_ELEMENTS, TRANSPOSE_THREADS = 10, 256  # knn_common.cuh
+# kLogTransposeElements, kTransposeThreads in knn_common.cuh
+LOG_TRANSPOSE_ELEMENTS, TRANSPOSE_THREADS = 10, 256
 # A summing transpose runs about this many CTAs per SM (enough to fill it), each looping over
 # a tiles, so each z_sums address takes as few atomics as that allows.
 SUMMING_CTAS_PER_SM = 16
-PAIRS_TILE = 64  # transpose_pairs' kTile
+PAIRS_TILE = 64  # kPairsTile in knn_common.cuh
+# transpose_pad's square tile is 2^5 a side; extents narrower than that get narrow tiles,
+# and only problems wide in both extents (the square tile) take transpose_pairs.
+SQUARE_TILE_LOG2 = 5
 MAX_KERNEL_ARGS = 16
 
 
@@ -132,7 +136,7 @@ def _shared_memory_limit(device_index: int) -> int:
 def transpose_tile_log2(dst_a: int, dst_c: int) -> tuple[int, int]:
     """log2 of transpose_pad's tile extents (a, c): 32 x 32, or as narrow as a small extent
     (a few nodes, cells or batch rows) and correspondingly long, so no thread idles."""
-    narrow = 5
+    narrow = SQUARE_TILE_LOG2
     if dst_c < 2**narrow:
         log_c = (dst_c - 1).bit_length()
         return LOG_TRANSPOSE_ELEMENTS - log_c, log_c
@@ -162,7 +166,8 @@ class _Transpose:
         self.static = (*src_extents, dst_a, dst_c, *dst_strides)
         self.log_tile_c = log_c
         self.pairs_kernel = None
-        if (log_a, log_c) == (5, 5) and all(stride % 2 == 0 for stride in dst_strides):
+        square = (SQUARE_TILE_LOG2, SQUARE_TILE_LOG2)
+        if (log_a, log_c) == square and all(stride % 2 == 0 for stride in dst_strides):
             self.pairs_kernel = get_kernel(transpose_name(src_dtype, dst_dtype, pairs=True),
                                            device_index)
             self.pairs_grid = self._grid(PAIRS_TILE, PAIRS_TILE, dst_extents, sums_z)

@@ -19,6 +19,8 @@ constexpr int kFrag = 16;
 constexpr int kLogTransposeElements = 10;
 constexpr int kTransposeElements = 1 << kLogTransposeElements;
 constexpr int kTransposeThreads = 256;
+// transpose_pairs: square tiles of this many elements a side.
+constexpr int kPairsTile = 64;
 
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(smem));

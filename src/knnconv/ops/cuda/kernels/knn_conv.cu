@@ -18,9 +18,9 @@ namespace knnconv {
 using namespace nvcuda;
 
 // wmma::load_matrix_sync's bfloat16 overloads emit wmma.load with a generic address (the
-// __half ones get .shared inferred), which ptxas cannot lower to ldmatrix: bf16 steps ran
-// ~1.2-1.6x slower than fp16 on the same tiles. Every fragment here is staged in shared
-// memory, so the bf16 loads spell the state space out.
+// __half ones get .shared inferred), which ptxas cannot lower to ldmatrix: bf16 ran 1.22x
+// (training step, graph replay) to 1.31x (forward) slower than fp16 on the same tiles. Every
+// fragment here is staged in shared memory, so the bf16 loads spell the state space out.
 template <typename Fragment, typename T>
 __device__ __forceinline__ void load_shared_fragment(Fragment& fragment, const T* shared,
                                                      unsigned ldm) {
@@ -492,10 +492,11 @@ __global__ void __launch_bounds__(kTransposeThreads, 8)
 // dst[z, c, a] = src[z, a, c] like transpose_pad, for 32 x 32-or-wider problems whose rows
 // allow two-element accesses (the host checks: src contiguous along c, dst along a, even
 // strides, pointers aligned to two elements): each thread loads pairs of c (one 32- or 64-bit
-// load each) and writes pairs of a through a 64 x 64 tile; the pair store, a struct
-// assignment, still compiles to two single-element stores (bench/NOTES.md version 16).
+// load each) and writes pairs of a through a kPairsTile x kPairsTile tile; the pair store, a
+// struct assignment, still compiles to two single-element stores (bench/NOTES.md version 16).
 // Single-element accesses moved conv1's grad_y at ~1 TB/s, latency bound (16% of DRAM
-// throughput at 91% occupancy); pairs moved it at 3.4 TB/s (prototype, session 3). Grid and z_sums as transpose_pad, with 64-element tiles. No minimum CTAs per SM
+// throughput at 91% occupancy); this kernel moves it at 1.97 TB/s (a standalone prototype
+// with paired stores: 3.4 TB/s). Grid and z_sums as transpose_pad. No minimum CTAs per SM
 // in the launch bounds: eight loads in flight per thread take ~48 registers, and capping them
 // at 40 (six CTAs) or 48 (five) made ptxas spill.
 template <typename TIn, typename TOut>
@@ -504,7 +505,7 @@ __global__ void __launch_bounds__(kTransposeThreads)
                     int src_c, long long src_stride_z, long long src_stride_a, int dst_a,
                     int dst_c, long long dst_stride_z, long long dst_stride_c,
                     float* __restrict__ z_sums) {
-  constexpr int kTile = 64, kPitch = kTile + 1, kRowsPerPass = kTransposeThreads / kWarp;
+  constexpr int kTile = kPairsTile, kPitch = kTile + 1, kRowsPerPass = kTransposeThreads / kWarp;
   __shared__ float tile[kTile * kPitch];
   const int lane = threadIdx.x % kWarp, row = threadIdx.x / kWarp;
   const int c0 = blockIdx.x * kTile;
