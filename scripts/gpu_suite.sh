@@ -53,7 +53,7 @@ stage initcheck 40 compute-sanitizer --tool initcheck --error-exitcode 9 \
 stage synccheck 40 compute-sanitizer --tool synccheck --error-exitcode 9 \
   python3 scripts/sanitize_kernels.py
 stage relayouts 60 python3 scripts/bench_relayouts.py "$out/logs/relayouts.json"
-# torch_binned (not yet timed on a GPU) apart, so its time cannot cut the main bench short
+# torch_binned against cuda apart, so its time cannot cut the main bench short
 stage bench_binned 120 python3 -m knnconv.bench --geometry "$geometry" --out "$out/logs" \
   --dtypes float16 --backends torch_binned,cuda --modes forward,train --check --repeats 5 \
   --warmup 1 --name h200_binned
