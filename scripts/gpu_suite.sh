@@ -9,9 +9,9 @@
 # pip wheel --no-deps "antlr4-python3-runtime==4.9.3" -w WHEEL_DIR; its other imports are
 # common).
 # Results (h200*.json/csv/png, networks.json, demo.png) land in OUTDIR; every stage's log, and
-# the neighbourhood, re-layout, torch_binned (h200_binned.*) and same-run anchor benchmarks'
-# JSON/PNG (the anchor stage needs fovi, from WHEEL_DIR), in OUTDIR/logs.tar.gz; each stage's exit status and time are
-# summarised in OUTDIR/summary.txt.
+# the neighbourhood, re-layout, torch_binned (h200_binned.*), host-path (host.json) and
+# same-run anchor benchmarks' JSON/PNG (the anchor stage needs fovi, from WHEEL_DIR), in
+# OUTDIR/logs.tar.gz; each stage's exit status and time are summarised in OUTDIR/summary.txt.
 # KNNCONV_STAGES="tests bench ..." runs only the stages named (install and wheels always run).
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUTDIR GEOMETRY_DIR}
@@ -58,6 +58,7 @@ stage bench_binned 120 python3 -m knnconv.bench --geometry "$geometry" --out "$o
   --dtypes float16 --backends torch_binned,cuda --modes forward,train --check --repeats 5 \
   --warmup 1 --name h200_binned
 stage anchor 240 python3 scripts/bench_anchor.py "$geometry" "$out/logs/anchor.json"
+stage host 60 python3 scripts/bench_host.py "$geometry" "$out/logs/host.json"
 stage neighbourhood 120 python3 scripts/bench_neighbourhood.py "$out/logs/neighbourhood.json"
 stage demo 60 python3 -m knnconv demo --out "$out/demo.png"
 stage profile 60 env KNNCONV_CPROFILE=1 python3 scripts/profile_cells.py "$geometry" \

@@ -1,11 +1,15 @@
-"""Compile every kernel instantiation the default tile rules can pick, with nvcc, for several
-architectures (no GPU needed), and hold the resource report to: no spills, no stack frame."""
+"""Compile every kernel instantiation the default tile rules can pick, with nvcc for several
+architectures and with NVRTC (the compiler CuPy runs on the GPU machine) for the ones we run on,
+no GPU needed, and hold the resource report to: no spills, no stack frame."""
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +17,10 @@ import torch
 from knnconv.ops.cuda.build import (
     KERNEL_DIR,
     KERNEL_SOURCE,
+    kernel_code,
     kernel_name,
     neighbourhood_name,
+    nvrtc_options,
     transpose_name,
 )
 from knnconv.ops.cuda.configs import FAMILIES, KernelConfig, _rules, check_config
@@ -31,6 +37,8 @@ def default_instantiations() -> list[str]:
             cfg = check_config(family, KernelConfig(*rule["config"]))
             for dtype in (torch.float16, torch.bfloat16):
                 names.add(kernel_name(family, dtype, cfg))
+                if family == "grad_input":  # dx staged in its own dtype
+                    names.add(kernel_name(family, dtype, cfg, dtype))
     floats = (torch.float32, torch.float16, torch.bfloat16)
     names.update(transpose_name(source, target, pairs) for source in floats for target in floats
                  for pairs in (False, True))
@@ -65,23 +73,50 @@ def _compile(names: list[str], arch: str, tmp_path, *flags: str) -> subprocess.C
 
 def test_every_tile_rule_is_a_valid_config():
     # default_instantiations raises on an invalid rule; every family must have rules, and
-    # each distinct (family, config) gives one kernel per dtype.
+    # each distinct (family, config) gives one kernel per dtype (grad_input two: dx staged in
+    # float32 or in the compute dtype).
     rules = _rules()
     assert all(rules[family] for family in FAMILIES)
     configs = {(family, tuple(rule["config"])) for family in FAMILIES for rule in rules[family]}
+    per_dtype = sum(2 if family == "grad_input" else 1 for family, _ in configs)
     gemms = [name for name in default_instantiations()
              if "knn_forward" in name or "knn_grad_" in name]
-    assert len(gemms) == 2 * len(configs)
+    assert len(gemms) == 2 * per_dtype
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on the PATH")
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_default_instantiations_compile_without_spills(arch, tmp_path):
-    names = default_instantiations()
-    result = _compile(names, arch, tmp_path, "-cubin", "--resource-usage")
-    assert result.returncode == 0, result.stderr
-    report = result.stdout + result.stderr
-    (tmp_path / "resource-usage.txt").write_text(report)
+def load_nvrtc():
+    """libnvrtc of the nvidia-cuda-nvrtc 13 wheel (a dev dependency), or None."""
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        lib = Path(root) / "cu13" / "lib"
+        builtins = sorted(lib.glob("libnvrtc-builtins.so.13.*"))
+        if (lib / "libnvrtc.so.13").is_file() and builtins:
+            ctypes.CDLL(str(builtins[0]), mode=ctypes.RTLD_GLOBAL)  # NVRTC dlopens it by name
+            return ctypes.CDLL(str(lib / "libnvrtc.so.13"))
+    return None
+
+
+def _nvrtc_report(nvrtc, names: list[str], arch: str) -> tuple[int, str]:
+    """Compile ``names`` as CuPy does (one program, name expressions, nvrtc_options) with
+    ptxas' resource report; (NVRTC status, log)."""
+    program = ctypes.c_void_p()
+    assert nvrtc.nvrtcCreateProgram(ctypes.byref(program), kernel_code().encode(), b"knn.cu", 0,
+                                    None, None) == 0
+    for name in names:
+        assert nvrtc.nvrtcAddNameExpression(program, name.encode()) == 0
+    options = [*(o.encode() for o in nvrtc_options()), f"-arch={arch}".encode(),
+               b"--ptxas-options=-v"]
+    status = nvrtc.nvrtcCompileProgram(program, len(options),
+                                       (ctypes.c_char_p * len(options))(*options))
+    size = ctypes.c_size_t()
+    nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    nvrtc.nvrtcGetProgramLog(program, log)
+    nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
+    return status, log.value.decode(errors="replace")
+
+
+def assert_no_spills(report: str, names: list[str], where: str) -> None:
     compiled = re.findall(r"Compiling entry function '(\w+)'", report)
     assert len(compiled) == len(names), report
     frames = re.findall(
@@ -90,9 +125,36 @@ def test_default_instantiations_compile_without_spills(arch, tmp_path):
     registers = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
     assert len(frames) == len(names) and len(registers) == len(names)
     spilling = [(fn, f) for fn, f in zip(compiled, frames, strict=True) if any(map(int, f))]
-    assert not spilling, f"{arch}: kernels with stack frame or spills: {spilling}"
+    assert not spilling, f"{where}: kernels with stack frame or spills: {spilling}"
     assert max(registers) <= 255
-    print(f"{arch}: {len(names)} kernels, registers {min(registers)}-{max(registers)}, no spills")
+    print(f"{where}: {len(names)} kernels, registers {min(registers)}-{max(registers)}, no spills")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on the PATH")
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_default_instantiations_compile_without_spills(arch, tmp_path):
+    names = default_instantiations()
+    result = _compile(names, arch, tmp_path, "-cubin", "--resource-usage")
+    assert result.returncode == 0, result.stderr
+    assert_no_spills(result.stdout + result.stderr, names, f"nvcc {arch}")
+
+
+@pytest.mark.parametrize("arch", [
+    pytest.param("sm_80", marks=pytest.mark.xfail(strict=True, reason=(
+        "known: NVRTC 13.0 gives the bf16 grad_input kernel of tile 16x32x32 (1x2 warps, "
+        "synchronous loads) an 8-byte stack frame on sm_80 (bench/NOTES.md, Next steps)"))),
+    "sm_90",
+])
+def test_default_instantiations_compile_without_spills_under_nvrtc(arch):
+    # NVRTC 13.0 gave transpose_pairs a stack frame that nvcc 13.0 did not (ncu on the H200
+    # counted its local-memory traffic), so the runtime compiler is held to the same report.
+    nvrtc = load_nvrtc()
+    if nvrtc is None:
+        pytest.skip("the nvidia-cuda-nvrtc 13 wheel is not installed (pip install -e '.[dev]')")
+    names = default_instantiations()
+    status, report = _nvrtc_report(nvrtc, names, arch)
+    assert status == 0, report
+    assert_no_spills(report, names, f"NVRTC {arch}")
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on the PATH")

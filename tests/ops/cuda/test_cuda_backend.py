@@ -85,6 +85,30 @@ def check_all_entries(plan, x, weight, bias, grad_y, *, forward_cfg=None, input_
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gathered_dx_staged_in_its_own_dtype_equals_rounded_float32_staging(dtype):
+    # The training path stages a gathered dx in dx's dtype when it is the compute dtype; the
+    # same fp32 accumulators are rounded once either way, so the two must agree bit for bit.
+    from knnconv.ops.cuda.launch import BackwardLaunch
+
+    plan, x, weight, bias, grad_y = make_case(11, batch=17, cin=40, cout=65, dtype=dtype,
+                                              nin=70, nout=31, k=9, padding=0.2)
+    tables = plan.on(DEVICE)
+    reverse = knn_cuda.reverse_tables(tables.knn_indices, tables.rf_index, plan.nin)
+    dx = {}
+    for grad_dtype in (torch.float32, dtype):
+        launch = BackwardLaunch(batch=17, cin=plan.cin, nin=plan.nin, cout=plan.cout,
+                                nout=plan.nout, q=plan.q, p64=plan.p64, dtype=dtype,
+                                device=DEVICE, need_weight=False, algorithm="gather",
+                                grad_dtypes=(grad_dtype, torch.float32, torch.float32))
+        assert launch.staging_dtype == grad_dtype
+        dx[grad_dtype] = launch.run(grad_y, None, weight, tables.input_linear,
+                                    tables.weight_linear, reverse)[0]
+    assert dx[dtype].dtype == dtype
+    assert torch.equal(dx[dtype], dx[torch.float32].to(dtype))
+    assert rel_err(dx[torch.float32], reference(plan, x, weight, bias, grad_y)[1]) < GRAD_TOLERANCE
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("nodes_per_cta", (2, 3, 8))
 def test_ctas_walking_several_nodes_match_reference(dtype, nodes_per_cta):
     # Nout = 37 leaves a ragged last CTA for every walk length; one slot tile per node.

@@ -219,6 +219,8 @@ class CudaOps(KNNConvOps):
                                    grad_dtypes=grad_dtypes))
         keys = {role: (launch.configs[role][0], grad_y.dtype, launch.configs[role][1], device)
                 for role, needed in (("input", need_input), ("weight", need_weight)) if needed}
+        if need_input:  # dx's staging dtype picks the kernel instantiation, so it is verified too
+            keys["input"] += (launch.staging_dtype,)
         first = {role for role, key in keys.items() if self._first_use(key)}
         tables = plan.on(device)
         reverse = self.reverse(plan, device) if launch.algorithm == "gather" else None

@@ -91,13 +91,16 @@ def cuda_include_dir() -> str:
     )
 
 
-def kernel_name(family: str, dtype: torch.dtype, cfg: KernelConfig) -> str:
-    """The NVRTC name expression of one gathered-GEMM instantiation."""
+def kernel_name(family: str, dtype: torch.dtype, cfg: KernelConfig,
+                out_dtype: torch.dtype | None = None) -> str:
+    """The NVRTC name expression of one gathered-GEMM instantiation. ``out_dtype``: what the
+    forward-shaped kernels store (default: the compute dtype for the forward, float32 for
+    grad_input's dx staging)."""
     scalar = SCALAR_TYPES[dtype]
     if family in ("grad_weight", "grad_input_scatter"):
         return f"knnconv::knn_{family}<{scalar}, {cfg.template_args()}>"
     reverse = family == "grad_input"
-    out = "float" if reverse else scalar
+    out = SCALAR_TYPES[out_dtype or (torch.float32 if reverse else dtype)]
     return (f"knnconv::knn_forward<{scalar}, {out}, {cfg.template_args()}, "
             f"{'true' if reverse else 'false'}>")
 
@@ -153,6 +156,11 @@ def neighbourhood_name(kernel: str, dtype: torch.dtype, grad_dtype: torch.dtype 
     return f"knnconv::{kernel}<{', '.join(arguments)}>"
 
 
+def nvrtc_options() -> tuple[str, ...]:
+    """What NVRTC compiles the kernels with (CuPy adds the target architecture)."""
+    return ("--std=c++17", f"-I{KERNEL_DIR}", f"-I{cuda_include_dir()}")
+
+
 def get_kernel(name: str, device_index: int) -> CompiledKernel:
     """The compiled kernel named by an NVRTC name expression, on one device, built once.
 
@@ -167,11 +175,8 @@ def get_kernel(name: str, device_index: int) -> CompiledKernel:
         function = _modules.get(key)
         if function is None:
             with cupy.cuda.Device(device_index):
-                module = cupy.RawModule(
-                    code=kernel_code(),
-                    options=("--std=c++17", f"-I{KERNEL_DIR}", f"-I{cuda_include_dir()}"),
-                    name_expressions=[name],
-                )
+                module = cupy.RawModule(code=kernel_code(), options=nvrtc_options(),
+                                        name_expressions=[name])
                 function = CompiledKernel(module.get_function(name))
             _modules[key] = function
     return function

@@ -235,8 +235,9 @@ class _Carve:
 class _Gemm:
     """One gathered-GEMM kernel with its grid, block and shared memory resolved."""
 
-    def __init__(self, family: str, cfg: KernelConfig, dtype, device_index: int, grid) -> None:
-        self.kernel = get_kernel(kernel_name(family, dtype, cfg), device_index)
+    def __init__(self, family: str, cfg: KernelConfig, dtype, device_index: int, grid,
+                 out_dtype: torch.dtype | None = None) -> None:
+        self.kernel = get_kernel(kernel_name(family, dtype, cfg, out_dtype), device_index)
         self.shared = shared_memory_bytes(family, cfg)
         self.kernel.allow_shared_memory(self.shared)
         self.device_index, self.grid, self.block = device_index, grid, (cfg.threads, 1, 1)
@@ -421,7 +422,8 @@ class BackwardLaunch:
     scattered with fp32 atomics ('scatter'); dW from the slot-tiled kernel with fp32 atomics,
     the batch split over gridDim.y (ksplit); the bias gradient from grad_y's re-layout (fp32
     atomics, one per transpose block). All accumulate in fp32 and are converted to
-    grad_dtypes = (dx, dW, dbias dtypes) by the launches that restore their layouts. Every
+    grad_dtypes = (dx, dW, dbias dtypes) by the launches that restore their layouts (gathered
+    dx by its kernel's store when dx has the compute dtype: ``staging_dtype``). Every
     temporary lives in one workspace allocation whose accumulators are zeroed by one memset.
     """
 
@@ -461,15 +463,22 @@ class BackwardLaunch:
         self.gt_at = carve.add(nout * gpad * bpad * item)
         self.to_gt = _Transpose(dtype, dtype, index, (cout, batch, nout), (gpad, bpad, nout),
                                 (bpad, gpad * bpad), sums_z=need_bias)
+        # Gathered dx elements are written once from fp32 accumulators, so staging them in dx's
+        # own dtype rounds exactly as converting an fp32 staging later would, in half the bytes.
+        self.staging_dtype = torch.float32
         if need_input and algorithm == "gather":
+            if grad_dtypes[0] == dtype:
+                self.staging_dtype = dtype
             self.cinpad = _round_up(cin, gi.bn)
             self.weight_at = carve.add((q // cin) * gpad * self.cinpad * item)
             self.weight_layout = _weight_by_cell(cout, cin, q // cin, gpad, self.cinpad, dtype,
                                                  dtype, index)
             self.input_gemm = _Gemm(input_family, gi, dtype, index,
-                                    (nin, self.cinpad // gi.bn, bpad // gi.tile_m))
-            self.dx_at = carve.add(batch * nin * cin * 4)
-            self.restore_dx = _Transpose(torch.float32, grad_dtypes[0], index,
+                                    (nin, self.cinpad // gi.bn, bpad // gi.tile_m),
+                                    out_dtype=self.staging_dtype)
+            staging_item = torch.empty((), dtype=self.staging_dtype).element_size()
+            self.dx_at = carve.add(batch * nin * cin * staging_item)
+            self.restore_dx = _Transpose(self.staging_dtype, grad_dtypes[0], index,
                                          (batch, nin, cin), (batch, nin, cin), (rows, nin))
             self.restore_dx_strides = (nin * cin, cin, 1)
         elif need_input:

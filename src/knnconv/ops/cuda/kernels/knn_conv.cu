@@ -398,11 +398,37 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
   });
 }
 
-// Two consecutive elements, accessed as one aligned 2 x sizeof(T) load or store.
-template <typename T>
-struct alignas(2 * sizeof(T)) Pair {
-  T first, second;
+// Two consecutive elements as one machine word, so that they move in one aligned load or
+// store and occupy one register until split: a two-member struct was split into 16-bit
+// registers on load (NVRTC 13.0 then spilled one to the stack) and stored as two 16-bit stores.
+template <int kBytes>
+struct WordOfSize;
+template <>
+struct WordOfSize<4> {
+  using type = unsigned int;
 };
+template <>
+struct WordOfSize<8> {
+  using type = unsigned long long;
+};
+template <typename T>
+using PairWord = typename WordOfSize<2 * sizeof(T)>::type;
+
+template <typename T>
+__device__ __forceinline__ PairWord<T> make_pair_word(T first, T second) {
+  PairWord<T> low = 0, high = 0;
+  memcpy(&low, &first, sizeof(T));  // the GPU is little-endian: first is the low half
+  memcpy(&high, &second, sizeof(T));
+  return low | (high << (8 * sizeof(T)));
+}
+
+template <typename T>
+__device__ __forceinline__ T pair_element(PairWord<T> word, int which) {
+  const PairWord<T> bits = word >> (which * 8 * sizeof(T));
+  T value;
+  memcpy(&value, &bits, sizeof(T));
+  return value;
+}
 
 // *sum += the sum of `value` over the CTA (kTransposeThreads threads, all of which call it),
 // one fp32 atomic per CTA.
@@ -492,15 +518,20 @@ __global__ void __launch_bounds__(kTransposeThreads, 8)
 // dst[z, c, a] = src[z, a, c] like transpose_pad, for 32 x 32-or-wider problems whose rows
 // allow two-element accesses (the host checks: src contiguous along c, dst along a, even
 // strides, pointers aligned to two elements): each thread loads pairs of c (one 32- or 64-bit
-// load each) and writes pairs of a through a kPairsTile x kPairsTile tile; the pair store, a
-// struct assignment, still compiles to two single-element stores (bench/NOTES.md version 16).
+// load each) and writes pairs of a (one store each) through a kPairsTile x kPairsTile tile.
 // Single-element accesses moved conv1's grad_y at ~1 TB/s, latency bound (16% of DRAM
 // throughput at 91% occupancy); this kernel moves it at 1.97 TB/s (a standalone prototype
-// with paired stores: 3.4 TB/s). Grid and z_sums as transpose_pad. No minimum CTAs per SM
-// in the launch bounds: eight loads in flight per thread take ~48 registers, and capping them
-// at 40 (six CTAs) or 48 (five) made ptxas spill.
+// with paired stores: 3.4 TB/s). Grid and z_sums as transpose_pad. Eight loads in flight per
+// thread: with 2-byte sources they fit the 48 registers of five CTAs per SM without spilling
+// on sm_80 and sm_90 (NVRTC 13.0 and nvcc); 4-byte sources hold twice the bits, and sm_100+'s
+// ptxas spills at 48, so those get four CTAs.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+constexpr int kPairsMinBlocksNarrow = 4;
+#else
+constexpr int kPairsMinBlocksNarrow = 5;
+#endif
 template <typename TIn, typename TOut>
-__global__ void __launch_bounds__(kTransposeThreads)
+__global__ void __launch_bounds__(kTransposeThreads, sizeof(TIn) == 2 ? kPairsMinBlocksNarrow : 4)
     transpose_pairs(const TIn* __restrict__ src, TOut* __restrict__ dst, int src_z, int src_a,
                     int src_c, long long src_stride_z, long long src_stride_a, int dst_a,
                     int dst_c, long long dst_stride_z, long long dst_stride_c,
@@ -517,27 +548,30 @@ __global__ void __launch_bounds__(kTransposeThreads)
   for (long long a0 = static_cast<long long>(blockIdx.y) * kTile; a0 < dst_a; a0 += a_step) {
     // All pair loads first, then the rare odd last column, then the shared stores (see
     // transpose_pad): one load in flight per thread kept this kernel latency bound.
-    Pair<TIn> loaded[kTile / kRowsPerPass];
+    PairWord<TIn> loaded[kTile / kRowsPerPass];
     const int c = c0 + 2 * lane;
 #pragma unroll
     for (int k = 0; k < kTile / kRowsPerPass; ++k) {
       const long long a = a0 + row + k * kRowsPerPass;
-      loaded[k] = {from_float<TIn>(0.0f), from_float<TIn>(0.0f)};
+      loaded[k] = 0;  // all-zero bits are +0 in every element type
       if (z < src_z && a < src_a && c + 1 < src_c) {
-        loaded[k] = *reinterpret_cast<const Pair<TIn>*>(src_z_base + a * src_stride_a + c);
+        loaded[k] = *reinterpret_cast<const PairWord<TIn>*>(src_z_base + a * src_stride_a + c);
       }
     }
     if (c + 1 == src_c) {
 #pragma unroll
       for (int k = 0; k < kTile / kRowsPerPass; ++k) {
         const long long a = a0 + row + k * kRowsPerPass;
-        if (z < src_z && a < src_a) loaded[k].first = src_z_base[a * src_stride_a + c];
+        if (z < src_z && a < src_a) {
+          loaded[k] = make_pair_word(src_z_base[a * src_stride_a + c], from_float<TIn>(0.0f));
+        }
       }
     }
 #pragma unroll
     for (int k = 0; k < kTile / kRowsPerPass; ++k) {
       const int i = row + k * kRowsPerPass, j = 2 * lane;
-      const float first = to_float(loaded[k].first), second = to_float(loaded[k].second);
+      const float first = to_float(pair_element<TIn>(loaded[k], 0));
+      const float second = to_float(pair_element<TIn>(loaded[k], 1));
       tile[i * kPitch + j] = first;
       tile[i * kPitch + j + 1] = second;
       slice_sum += first + second;
@@ -552,7 +586,8 @@ __global__ void __launch_bounds__(kTransposeThreads)
         TOut* at = dst_z_base + c * dst_stride_c + a;
         const TOut first = from_float<TOut>(tile[i * kPitch + j]);
         if (a + 1 < dst_a) {
-          *reinterpret_cast<Pair<TOut>*>(at) = {first, from_float<TOut>(tile[(i + 1) * kPitch + j])};
+          *reinterpret_cast<PairWord<TOut>*>(at) =
+              make_pair_word(first, from_float<TOut>(tile[(i + 1) * kPitch + j]));
         } else {
           *at = first;
         }
