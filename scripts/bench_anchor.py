@@ -10,7 +10,8 @@ grad_y re-layouts on tensor identity, so the first way lets it skip both. Also t
 memory (torch.cuda.max_memory_allocated) of a training step with fresh operands, per layer
 and, first, through every KNN layer of the fovi AlexNet and ResNet-18 of
 knnconv.bench_networks, each counted from before the backend's first call (the anchor's
-caches emptied), so its tables and what it keeps between calls count too.
+caches emptied), so its tables and what it keeps between calls count too; the networks also
+with knnconv not keeping its input re-layouts (knnconv.set_keep_input_relayout(False)).
 
     python scripts/bench_anchor.py GEOMETRY_DIR OUT.json [--batches 128,512,2048]
 
@@ -36,7 +37,7 @@ from knnconv.bench import (
     time_calls,
 )
 from knnconv.bench_networks import NETWORKS
-from knnconv.functional import knn_conv_with_backend
+from knnconv.functional import knn_conv_with_backend, set_keep_input_relayout
 
 DEVICE = torch.device("cuda")
 MIB = 2**20
@@ -247,10 +248,18 @@ def main() -> None:
         for backend in BACKENDS:
             row[f"{backend}_peak_mib"] = network_peak_mib(args.geometry, model, batch, backend)
             release_memory(DEVICE)
+        previous = set_keep_input_relayout(False)
+        try:
+            row["cuda_without_relayouts_peak_mib"] = network_peak_mib(args.geometry, model,
+                                                                      batch, "cuda")
+        finally:
+            set_keep_input_relayout(previous)
+        release_memory(DEVICE)
         networks.append(row)
         print(f"{model} B={batch}: peak memory of a training step through its KNN layers: "
               f"anchor {row['anchor_peak_mib']:.0f} MiB, knnconv cuda "
-              f"{row['cuda_peak_mib']:.0f} MiB")
+              f"{row['cuda_peak_mib']:.0f} MiB ({row['cuda_without_relayouts_peak_mib']:.0f} MiB "
+              "without keeping the input re-layouts)")
     rows = []
     for layer in load_geometry_dir(args.geometry):
         for batch in args.batches:

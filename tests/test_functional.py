@@ -1,10 +1,12 @@
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from conftest import CPU_BACKENDS, oracle_knn_conv, random_geometry, random_inputs, rel_err
-from knnconv import get_ops, knn_conv, knn_conv_with_backend
+from knnconv import get_ops, knn_conv, knn_conv_with_backend, set_keep_input_relayout
+from knnconv.ops import TorchCompactOps, registry
 
 
 def leaves(*tensors):
@@ -183,3 +185,51 @@ def test_non_contiguous_inputs(rng, backend):
     y = knn_conv(x, weight, None, plan, backend=backend)
 
     assert rel_err(y, oracle_knn_conv(x, weight, None, geometry)) < 1e-13
+
+
+@dataclass
+class KeptCopy:
+    tensor: torch.Tensor
+
+
+class CopyKeepingOps(TorchCompactOps):
+    """torch_compact keeping its own copy of x from the forward (not a tensor, like the cuda
+    backend's re-layout), and recording what each backward receives as x."""
+
+    name = "copy_keeping"
+
+    def __init__(self):
+        super().__init__()
+        self.received = []
+
+    def forward_saving(self, plan, x, weight, bias):
+        return self.forward(plan, x, weight, bias), KeptCopy(x.clone())
+
+    def gradients(self, plan, grad_y, x, weight, needs, dtypes):
+        self.received.append(x)
+        x = x.tensor if isinstance(x, KeptCopy) else x
+        return super().gradients(plan, grad_y, x, weight, needs, dtypes)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_keep_input_relayout_decides_what_the_backward_receives(rng, monkeypatch, keep):
+    ops = CopyKeepingOps()
+    monkeypatch.setitem(registry._REGISTRY, ops.name, ops)
+    geometry = random_geometry(rng, nin=12, nout=6, k=4, v=5, padding=0.2)
+    x, weight, bias, grad_y = random_inputs(rng, geometry.plan(cin=3, cout=4), batch=3)
+    expected = oracle_gradients(geometry, x, weight, bias, grad_y)
+    x, weight, bias = leaves(x, weight, bias)
+    previous = set_keep_input_relayout(keep)
+    try:
+        assert set_keep_input_relayout(keep) == keep  # returns the setting it replaces
+        knn_conv(x, weight, bias, geometry.plan(cin=3, cout=4), ops.name).backward(grad_y)
+    finally:
+        set_keep_input_relayout(previous)
+    assert len(ops.received) == 1
+    if keep:
+        assert isinstance(ops.received[0], KeptCopy)
+    else:
+        received = ops.received[0]  # the input itself, no copy kept
+        assert isinstance(received, torch.Tensor) and received.data_ptr() == x.data_ptr()
+    for got, want in zip((x.grad, weight.grad, bias.grad), expected, strict=True):
+        assert rel_err(got, want) < 1e-10

@@ -4,7 +4,9 @@
 a geometry set (index.json + npz, see knnconv.bench), runs one training step through all of
 them (forward through every layer, then one backward through every layer, each layer on its
 own random input), eagerly and replayed as a CUDA graph, and puts the time against the sum of
-the layers' training floors (ceilings measured in the same run). Writes networks.json.
+the layers' training floors (ceilings measured in the same run); then again without keeping the
+input re-layouts between forward and backward (knnconv.set_keep_input_relayout(False)).
+Writes networks.json.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .bench import (
     measure_ceilings,
     time_calls,
 )
+from .functional import set_keep_input_relayout
 from .layers import KNNConv
 
 # The published recipes' batches as the KNN layers see them (images x fixations).
@@ -70,15 +73,21 @@ def main(argv: list[str] | None = None) -> int:
         layers = network_layers(args.geometry, model, device, torch.float16)
         floor = sum(TRAIN_FLOOR_FACTOR * forward_floor_ms(layer.plan, batch, ceilings)
                     for layer in layers)
-        times = time_network(layers, batch, args.repeats)
-        row = {"model": model, "batch": batch, "layers": len(layers), "dtype": "float16",
-               "backend": "cuda", "floor_sum_ms": floor, **times,
-               "eager_over_floor": times["eager_ms"] / floor,
-               "graph_over_floor": times["graph_ms"] / floor}
-        rows.append(row)
-        print(f"{model} B={batch} ({len(layers)} KNN layers): eager {times['eager_ms']:.3f} ms, "
-              f"graph replay {times['graph_ms']:.3f} ms, sum of floors {floor:.3f} ms "
-              f"(graph {row['graph_over_floor']:.2f}x the floor)")
+        for keep in (True, False):
+            previous = set_keep_input_relayout(keep)
+            try:
+                times = time_network(layers, batch, args.repeats)
+            finally:
+                set_keep_input_relayout(previous)
+            row = {"model": model, "batch": batch, "layers": len(layers), "dtype": "float16",
+                   "backend": "cuda", "keep_input_relayout": keep, "floor_sum_ms": floor,
+                   **times, "eager_over_floor": times["eager_ms"] / floor,
+                   "graph_over_floor": times["graph_ms"] / floor}
+            rows.append(row)
+            print(f"{model} B={batch} ({len(layers)} KNN layers, input re-layouts "
+                  f"{'kept' if keep else 'not kept'}): eager {times['eager_ms']:.3f} ms, graph "
+                  f"replay {times['graph_ms']:.3f} ms, sum of floors {floor:.3f} ms (graph "
+                  f"{row['graph_over_floor']:.2f}x the floor)")
         del layers
         torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)

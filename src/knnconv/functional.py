@@ -62,6 +62,24 @@ def compute_dtype(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return x.dtype
 
 
+_keep_input_relayout = True
+
+
+def set_keep_input_relayout(enabled: bool) -> bool:
+    """Whether a training forward keeps the backend's re-layout of x for the backward.
+
+    True (the default): the cuda backend keeps its batch-contiguous copy of x from the
+    forward, so the backward does not re-lay x out again. False: the forward keeps x itself
+    and the backward re-lays it out, one x-sized copy less per layer held between forward and
+    backward (the whole-network peak, bench/NOTES.md) for one more re-layout per backward.
+    The torch backends keep x either way. Returns the previous setting. Read at every call; a
+    torch.compile'd graph keeps the setting it was traced with.
+    """
+    global _keep_input_relayout
+    previous, _keep_input_relayout = _keep_input_relayout, bool(enabled)
+    return previous
+
+
 def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """tensor.to(dtype) without the dispatcher round trip when it already is (most calls)."""
     return tensor if tensor.dtype == dtype else tensor.to(dtype)
@@ -106,7 +124,8 @@ class KNNConvFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, plan: KNNConvPlan, ops: KNNConvOps, dtype: torch.dtype):
         need_x, need_w = ctx.needs_input_grad[:2]
-        y, saved_x = forward_impl(plan, ops, x, weight, bias, dtype, keep_for_backward=need_w)
+        y, saved_x = forward_impl(plan, ops, x, weight, bias, dtype,
+                                  keep_for_backward=need_w and _keep_input_relayout)
         if isinstance(saved_x, torch.Tensor):
             ctx.save_for_backward(saved_x if need_w else None, weight if need_x else None)
             ctx.saved_input = None
@@ -147,7 +166,7 @@ def knn_conv_with_backend(x, weight, bias, plan, backend="auto") -> tuple[torch.
     if torch.compiler.is_compiling():
         from .torch_ops import knn_conv_op
 
-        return knn_conv_op(x, weight, bias, plan, ops.name, dtype), ops.name
+        return knn_conv_op(x, weight, bias, plan, ops.name, dtype, _keep_input_relayout), ops.name
     if not autocasting:
         return KNNConvFunction.apply(x, weight, bias, plan, ops, dtype), ops.name
     with torch.autocast(device_type, enabled=False):  # the backend must not recast inside

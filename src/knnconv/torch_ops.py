@@ -94,7 +94,9 @@ def _backward(ctx, grad_y, _grad_saved):
 forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def knn_conv_op(x, weight, bias, plan: KNNConvPlan, backend: str, dtype: torch.dtype):
-    """knn_conv through the custom ops (the traced path of functional.knn_conv)."""
-    keep = weight.requires_grad and torch.is_grad_enabled()
+def knn_conv_op(x, weight, bias, plan: KNNConvPlan, backend: str, dtype: torch.dtype,
+                keep_relayout: bool):
+    """knn_conv through the custom ops (the traced path of functional.knn_conv).
+    keep_relayout: see functional.set_keep_input_relayout."""
+    keep = keep_relayout and weight.requires_grad and torch.is_grad_enabled()
     return forward_op(x, weight, bias, plan.handle, backend, dtype, keep)[0]

@@ -98,7 +98,7 @@ def test_gathered_dx_staged_in_its_own_dtype_equals_rounded_float32_staging(dtyp
     for grad_dtype in (torch.float32, dtype):
         launch = BackwardLaunch(batch=17, cin=plan.cin, nin=plan.nin, cout=plan.cout,
                                 nout=plan.nout, q=plan.q, p64=plan.p64, dtype=dtype,
-                                device=DEVICE, need_weight=False, algorithm="gather",
+                                device=grad_y.device, need_weight=False, algorithm="gather",
                                 grad_dtypes=(grad_dtype, torch.float32, torch.float32))
         assert launch.staging_dtype == grad_dtype
         dx[grad_dtype] = launch.run(grad_y, None, weight, tables.input_linear,
@@ -379,7 +379,16 @@ def test_training_step_replays_as_a_cuda_graph():
         assert abs(got - expected) <= 2e-2 * abs(expected) + 1e-4
 
 
-def test_compiled_network_on_the_gpu_matches_eager():
+@pytest.mark.parametrize("keep_relayout", [True, False])
+def test_compiled_network_on_the_gpu_matches_eager(keep_relayout):
+    previous = knnconv.set_keep_input_relayout(keep_relayout)
+    try:
+        check_compiled_network_matches_eager()
+    finally:
+        knnconv.set_keep_input_relayout(previous)
+
+
+def check_compiled_network_matches_eager():
     generator = torch.Generator().manual_seed(12)
     geometry = random_geometry(generator, nin=60, nout=20, k=9, padding=0.1)
     model = torch.nn.Sequential(
