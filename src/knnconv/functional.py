@@ -62,18 +62,20 @@ def compute_dtype(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return x.dtype
 
 
-_keep_input_relayout = True
+_keep_input_relayout = False
 
 
 def set_keep_input_relayout(enabled: bool) -> bool:
     """Whether a training forward keeps the backend's re-layout of x for the backward.
 
-    True (the default): the cuda backend keeps its batch-contiguous copy of x from the
-    forward, so the backward does not re-lay x out again. False: the forward keeps x itself
-    and the backward re-lays it out, one x-sized copy less per layer held between forward and
-    backward (the whole-network peak, bench/NOTES.md) for one more re-layout per backward.
-    The torch backends keep x either way. Returns the previous setting. Read at every call; a
-    torch.compile'd graph keeps the setting it was traced with.
+    False (the default): the forward keeps x itself and the cuda backend's backward re-lays
+    it out again, so a layer holds no copy of its input between forward and backward (a
+    training step through fovi's AlexNet or ResNet-18 peaks below the anchor's memory,
+    bench/NOTES.md version 24). True: the cuda backend keeps its batch-contiguous copy of x
+    from the forward and the backward skips that re-layout (1-5% faster whole-network steps on
+    an H200, 29-37% more peak memory). The torch backends keep x either way. Returns the
+    previous setting. Read at every call; a torch.compile'd graph keeps the setting it was
+    traced with.
     """
     global _keep_input_relayout
     previous, _keep_input_relayout = _keep_input_relayout, bool(enabled)
