@@ -197,3 +197,47 @@ def test_no_measuring_during_capture(tuning, plan, rng, monkeypatch):
     monkeypatch.setattr(autotune, "_capturing", lambda device: True)
     assert run(plan, rng, 2)[1] == "torch_compact"
     assert tuning == []
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_every_candidate_is_timed_and_capture_only_reads_the_choice(rng, tmp_path,
+                                                                               monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    pytest.importorskip("cupy")
+    monkeypatch.setenv(autotune.CACHE_DIRECTORY, str(tmp_path))
+    plan = random_geometry(rng, nin=400, nout=150, k=9, v=9, padding=0.1).plan(cin=32, cout=64)
+    x, weight, bias, _ = (t.to("cuda", torch.float16)
+                          for t in random_inputs(rng, plan, 64, dtype=torch.float16))
+    expected, _ = knn_conv_with_backend(x.double(), weight.double(), bias.double(), plan,
+                                        "reference")
+    autotune.forget()
+    autotune.enable()
+    try:
+        y, ran = knn_conv_with_backend(x, weight, bias, plan, "auto")
+        [record] = json.loads((tmp_path / "autotune.json").read_text()).values()
+        # A new process: the choice comes from the file; any measuring now would fail.
+        autotune.forget()
+
+        def no_measuring(*args):
+            raise AssertionError("autotune measured during capture")
+
+        monkeypatch.setattr(autotune, "_measure", no_measuring)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            knn_conv_with_backend(x, weight, bias, plan, "auto")  # warm-up, as capture asks
+        torch.cuda.current_stream().wait_stream(side)
+        autotune.forget()  # the warm-up remembered the choice; capture must read the file
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured, ran_captured = knn_conv_with_backend(x, weight, bias, plan, "auto")
+        graph.replay()
+        torch.cuda.synchronize()
+    finally:
+        autotune.enable(None)
+        autotune.forget()
+    assert set(record["step_ms"]) == {"cuda", "torch_binned", "torch_compact"}
+    assert ran == record["backend"] == min(record["step_ms"], key=record["step_ms"].get)
+    assert ran_captured == ran
+    assert rel_err(y, expected) < 1e-2 and rel_err(captured, expected) < 1e-2
