@@ -520,11 +520,11 @@ __global__ void __launch_bounds__(kTransposeThreads, 8)
 // strides, pointers aligned to two elements): each thread loads pairs of c (one 32- or 64-bit
 // load each) and writes pairs of a (one store each) through a kPairsTile x kPairsTile tile.
 // Single-element accesses moved conv1's grad_y at ~1 TB/s, latency bound (16% of DRAM
-// throughput at 91% occupancy); this kernel moves it at 1.97 TB/s (a standalone prototype
-// with paired stores: 3.4 TB/s). Grid and z_sums as transpose_pad. Eight loads in flight per
-// thread: with 2-byte sources they fit the 48 registers of five CTAs per SM without spilling
-// on sm_80 and sm_90 (NVRTC 13.0 and nvcc); 4-byte sources hold twice the bits, and sm_100+'s
-// ptxas spills at 48, so those get four CTAs.
+// throughput at 91% occupancy); this kernel moves it at 2.87 TB/s on an H200 (bench/NOTES.md
+// version 23). Grid and z_sums as transpose_pad. Eight loads in flight per thread: with
+// 2-byte sources they fit the 48 registers of five CTAs per SM without spilling on sm_80 and
+// sm_90 (NVRTC 13.0 and nvcc); 4-byte sources hold twice the bits, and nvcc 13.0 spills at 48
+// on sm_120, so those and sm_100+ get four CTAs.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 constexpr int kPairsMinBlocksNarrow = 4;
 #else
