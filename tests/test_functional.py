@@ -52,14 +52,19 @@ def test_single_gradient_matches_oracle(rng, backend, wanted):
     assert rel_err(inputs[wanted].grad, expected[wanted]) < 1e-13
 
 
-def test_auto_picks_torch_compact_on_cpu(rng):
-    geometry = random_geometry(rng)
+@pytest.mark.parametrize(("k", "v", "batch", "expected"), [
+    (4, 4, 20, "torch_binned"),  # no more cells than neighbours: binned at any batch
+    (4, 9, 8, "torch_binned"),  # more cells, small batch
+    (4, 9, 9, "torch_compact"),  # more cells, a batch past BINNED_ANY_CELLS_MAX_BATCH
+])
+def test_auto_picks_the_faster_torch_backend_on_cpu(rng, k, v, batch, expected):
+    geometry = random_geometry(rng, k=k, v=v)
     plan = geometry.plan(cin=2, cout=3)
-    x, weight, bias, _ = random_inputs(rng, plan, batch=2)
+    x, weight, bias, _ = random_inputs(rng, plan, batch=batch)
 
     y, name = knn_conv_with_backend(x, weight, bias, plan)
 
-    assert name == "torch_compact"
+    assert name == expected
     assert rel_err(y, oracle_knn_conv(x, weight, bias, geometry)) < 1e-13
 
 
@@ -77,7 +82,7 @@ def test_autocast_bfloat16_on_cpu(rng, monkeypatch):
     monkeypatch.setattr(compact, "forward", recording_forward)
     x_leaf, weight_leaf, bias_leaf = leaves(x, weight, bias)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = knn_conv(x_leaf, weight_leaf, bias_leaf, plan)
+        y = knn_conv(x_leaf, weight_leaf, bias_leaf, plan, "torch_compact")
     y.backward(grad_y.to(y.dtype))
 
     assert compute_dtypes == [(torch.bfloat16,) * 3]

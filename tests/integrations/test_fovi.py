@@ -77,6 +77,10 @@ def assert_close(actual: list, expected: list) -> None:
             assert rel_err(got, want) < TOLERANCE
 
 
+# What auto takes for these tests' small CPU batches (knnconv.ops.registry.torch_policy).
+AUTO_ON_CPU = "torch_binned"
+
+
 def check_routed(layer: nn.Module, x: torch.Tensor, reference, backend: str) -> None:
     """Accelerate ``layer`` and compare it with ``reference``: outputs, gradients, parameters."""
     layer.double()
@@ -120,7 +124,7 @@ def test_conv_layers_match_fovi(kind, coords):
                                    fovi_knn.KNNDepthwiseSeparableConvLayer))
     reference = (lambda x: depthwise_reference(layer, x)) if depthwise else layer
     x = torch.randn(2, 3, len(coords[0]))
-    check_routed(layer, x, reference, "torch_compact")
+    check_routed(layer, x, reference, AUTO_ON_CPU)
 
 
 @pytest.mark.parametrize("mode", ["max", "avg", "sum"])
@@ -147,7 +151,7 @@ def test_patch_embeddings_match_fovi(knnvit, name, options, four_d):
                                   cart_patch_size=8, device="cpu", sample_cortex=True, **options)
     nin = len(layer.in_coords)
     x = torch.randn(2, 3, 4, nin // 4) if four_d else torch.randn(2, 3, nin)
-    check_routed(layer, x, layer, "torch_compact")
+    check_routed(layer, x, layer, AUTO_ON_CPU)
 
 
 def test_backend_choice(coords):
@@ -163,7 +167,7 @@ def test_backend_choice(coords):
     assert layer.last_backend == "reference"
     accelerate(layer)  # routing again replaces the route
     layer(x)
-    assert layer.last_backend == "torch_compact"
+    assert layer.last_backend == AUTO_ON_CPU
     del layer.forward  # fovi's own forward again
     assert torch.equal(layer(x), expected)
 
@@ -227,4 +231,4 @@ def test_copies_keep_their_route(coords):
         assert twin[0].forward.layer is twin[0]
         assert twin[0].weight is not model[0].weight
         assert torch.equal(twin(x), expected)
-        assert twin[0].last_backend == "torch_compact"
+        assert twin[0].last_backend == AUTO_ON_CPU

@@ -153,6 +153,26 @@ def _autotuned(plan: KNNConvPlan, batch: int, device: torch.device,
     return _autotune_choose(plan, batch, device, dtype)
 
 
+# On the CPU torch_binned's dense GEMMs beat torch_compact's per-node products wherever a
+# node has no more cells than neighbours (V <= K: 1.2-3.1x at B = 64) and, at batches up to 8,
+# on the published layers whatever V (B = 1: 1.6-104x; B = 8: all training steps, all but two
+# forwards, those at 0.85-0.99x); at B = 64 with V = 4K it does four times the FLOPs and loses
+# (0.25-0.91x). bench/NOTES.md version 27.
+BINNED_ANY_CELLS_MAX_BATCH = 8
+
+
+def torch_policy(plan: KNNConvPlan, device: torch.device, batch) -> str:
+    """The torch backend auto takes: torch_binned on the CPU where it is the faster one (see
+    BINNED_ANY_CELLS_MAX_BATCH), else torch_compact. ``batch``: an int, or None / a symbolic
+    size under torch.compile, where only the V <= K rule applies."""
+    if device.type != "cpu":
+        return "torch_compact"
+    if plan.v <= plan.k:
+        return "torch_binned"
+    small = isinstance(batch, int) and batch <= BINNED_ANY_CELLS_MAX_BATCH
+    return "torch_binned" if small else "torch_compact"
+
+
 def resolve_backend(name: str, plan: KNNConvPlan, device: torch.device, dtype: torch.dtype,
                     batch: int | None = None) -> KNNConvOps:
     """The backend that will serve a call: ``name`` itself, or the auto policy's choice.
@@ -160,7 +180,7 @@ def resolve_backend(name: str, plan: KNNConvPlan, device: torch.device, dtype: t
     An explicitly named backend that cannot serve the call raises; it never falls back.
     Auto takes the measured choice for the call's cell when autotuning is on (see
     knnconv.autotune; ``batch`` is needed for it), else picks the native CUDA backend for
-    CUDA tensors it supports, else torch_compact.
+    CUDA tensors it supports, else the torch backend of :func:`torch_policy`.
     """
     if name == "auto":
         if batch is not None:
@@ -171,7 +191,7 @@ def resolve_backend(name: str, plan: KNNConvPlan, device: torch.device, dtype: t
             cuda_ops = get_ops("cuda")
             if cuda_ops.unsupported_reason(plan, device, dtype) is None:
                 return cuda_ops
-        return get_ops("torch_compact")
+        return get_ops(torch_policy(plan, device, batch))
     ops = get_ops(name)
     reason = ops.unsupported_reason(plan, device, dtype)
     if reason is not None:
