@@ -52,6 +52,9 @@ def main() -> None:
     distributed = "WORLD_SIZE" in os.environ
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.global_batch % world:
+        raise SystemExit(f"--global-batch {args.global_batch} must split evenly over {world} "
+                         "processes to follow the one-process trajectory")
     if distributed:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -64,9 +67,6 @@ def main() -> None:
         model = DistributedDataParallel(model, device_ids=[device.index] if device.index is not None
                                         else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    if args.global_batch % world:
-        raise SystemExit(f"--global-batch {args.global_batch} must split evenly over {world} "
-                         "processes to follow the one-process trajectory")
     share = args.global_batch // world
     losses = []
     for x, labels in global_batches(args.steps, args.global_batch, nin):

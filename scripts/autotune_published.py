@@ -29,6 +29,7 @@ def main(argv: list[str]) -> None:
         os.environ[autotune.CACHE_DIRECTORY] = cache
         autotune.forget()
         autotune.enable()
+        ran_per_cell = {}
         for layer in load_geometry_dir(geometry):
             plan = layer.plan()
             for batch in BATCHES:
@@ -36,14 +37,20 @@ def main(argv: list[str]) -> None:
                 y, ran = knn_conv_with_backend(inputs.x, inputs.weight, inputs.bias, plan,
                                                "auto")
                 y.backward(inputs.grad_y)
+                ran_per_cell[autotune.cell_key(plan, batch, DEVICE, torch.float16)] = ran
                 print(f"{layer.name:60} B={batch:5} auto -> {ran}", flush=True)
                 del inputs, y
                 torch.cuda.empty_cache()
-        choices = json.loads(autotune.cache_path().read_text())
-    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "choices": choices},
-                              indent=1))
+        path = autotune.cache_path()
+        choices = json.loads(path.read_text()) if path.exists() else {}
+    # autotune stores only choices made with every candidate measured (a candidate that ran
+    # out of memory leaves its cell out): those cells are listed with what ran there.
+    unstored = {key: ran for key, ran in ran_per_cell.items() if key not in choices}
+    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "choices": choices,
+                               "not_stored": unstored}, indent=1))
     picked = collections.Counter(record["backend"] for record in choices.values())
-    print(f"{len(choices)} cells: " + ", ".join(f"{n} {name}" for name, n in picked.items()))
+    print(f"{len(choices)} cells: " + ", ".join(f"{n} {name}" for name, n in picked.items())
+          + f"; {len(unstored)} not stored (a candidate failed)")
     print(f"wrote {out}")
 
 

@@ -64,7 +64,7 @@ class AllocateOnly(torch.autograd.Function):
 
 def main(argv: list[str]) -> None:
     geometry, out = Path(argv[0]), Path(argv[1])
-    layer = next(entry for entry in load_geometry_dir(geometry) if entry.name == LAYER)
+    [layer] = [entry for entry in load_geometry_dir(geometry, [LAYER]) if entry.name == LAYER]
     plan = layer.plan()
     inputs = random_inputs(plan, BATCH, torch.float16, DEVICE)
     x, weight, bias, grad_y = inputs.x, inputs.weight, inputs.bias, inputs.grad_y

@@ -49,7 +49,8 @@ def run_case(batch, cin, cout, nin, nout, k, v, padding, dtype, generator) -> fl
     dx, dw = knn_cuda.backward(grad_y, saved, weight, il, wl, reverse, cin, nin, plan.q,
                                input_algorithm="gather")
     dx_scattered = knn_cuda.grad_input(grad_y, weight, il, wl, cin, nin)
-    # Through autograd dx has the compute dtype, which a gathered dx is staged in.
+    # Through autograd dx has the compute dtype, which a gathered dx (the shapes with 16 or
+    # more input channels; the others scatter) is staged in.
     leaf = x.clone().requires_grad_()
     knnconv.knn_conv(leaf, weight, None, plan, "cuda").backward(grad_y)
     reference = knnconv.get_ops("reference")

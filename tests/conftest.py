@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from knnconv import KNNConvPlan, available_backends, get_ops, make_plan
+from knnconv import KNNConvPlan, autotune, available_backends, get_ops, make_plan
 from knnconv.bench import relative_error
 
 
@@ -79,6 +79,16 @@ def with_all_padding_node(geometry: Geometry) -> torch.Tensor:
     knn_indices = geometry.knn_indices.clone()
     knn_indices[:, -1] = geometry.nin
     return knn_indices
+
+
+@pytest.fixture(autouse=True)
+def _auto_policy_without_autotuning(monkeypatch):
+    """Tests of auto's choice see its policy even where the user's environment turns
+    autotuning on (tests/test_autotune.py turns it on where it means to)."""
+    monkeypatch.delenv(autotune.ENVIRONMENT_SWITCH, raising=False)
+    autotune.enable(None)
+    yield
+    autotune.enable(None)
 
 
 @pytest.fixture

@@ -182,7 +182,7 @@ def test_all_candidates_failing_leaves_the_policy_and_retries(tuning, plan, rng,
     assert len(attempts) == 4
 
 
-def test_threads_measure_a_cell_once(tuning, plan, rng):
+def test_threads_measure_a_cell_once(tuning, plan):
     barrier, ran = threading.Barrier(4), []
 
     def call():

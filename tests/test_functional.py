@@ -5,7 +5,13 @@ import pytest
 import torch
 
 from conftest import CPU_BACKENDS, oracle_knn_conv, random_geometry, random_inputs, rel_err
-from knnconv import get_ops, knn_conv, knn_conv_with_backend, set_keep_input_relayout
+from knnconv import (
+    get_ops,
+    keep_input_relayout,
+    knn_conv,
+    knn_conv_with_backend,
+    set_keep_input_relayout,
+)
 from knnconv.ops import TorchCompactOps, registry
 
 
@@ -238,3 +244,14 @@ def test_keep_input_relayout_decides_what_the_backward_receives(rng, monkeypatch
         assert isinstance(received, torch.Tensor) and received.data_ptr() == x.data_ptr()
     for got, want in zip((x.grad, weight.grad, bias.grad), expected, strict=True):
         assert rel_err(got, want) < 1e-10
+
+
+def test_keep_input_relayout_block_restores_the_setting_even_on_error():
+    before = set_keep_input_relayout(False)
+    try:
+        with pytest.raises(RuntimeError), keep_input_relayout(True):
+            assert set_keep_input_relayout(True) is True  # the block's setting
+            raise RuntimeError
+        assert set_keep_input_relayout(False) is False  # restored
+    finally:
+        set_keep_input_relayout(before)

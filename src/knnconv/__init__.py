@@ -3,6 +3,7 @@
 from .depthwise import KNNDepthwiseConv, KNNDepthwiseSeparableConv
 from .functional import (
     KNNConvFunction,
+    keep_input_relayout,
     knn_conv,
     knn_conv_with_backend,
     set_keep_input_relayout,
@@ -17,7 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "KNNConv", "KNNConvFunction", "KNNConvPlan", "KNNDepthwiseConv", "KNNDepthwiseSeparableConv",
-    "KNNPool", "available_backends", "compact_tables", "get_ops", "knn_conv",
+    "KNNPool", "available_backends", "compact_tables", "get_ops", "keep_input_relayout", "knn_conv",
     "knn_conv_with_backend", "knn_pool", "make_plan", "register_ops", "set_keep_input_relayout",
     "warm_up",
 ]

@@ -22,16 +22,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
-import statistics
 import threading
-import time
 import warnings
 from pathlib import Path
 
 import torch
 
 from . import __version__
+from .bench import device_description, release_memory, time_calls, unsupported_reason
 from .ops.registry import available_backends, get_ops
 from .plan import KNNConvPlan
 
@@ -120,12 +118,6 @@ def _store(key: str, record: dict) -> None:
             pass
 
 
-def _device_label(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{device.type} {platform.machine()} {torch.get_num_threads()} threads"
-
-
 def _geometry_digest(plan: KNNConvPlan) -> str:
     def build(host) -> str:  # the sizes are spelled out in the key beside it
         digest = hashlib.sha256()
@@ -136,24 +128,16 @@ def _geometry_digest(plan: KNNConvPlan) -> str:
 
 
 def cell_key(plan: KNNConvPlan, batch: int, device: torch.device, dtype: torch.dtype) -> str:
-    return (f"{_device_label(device)} | knnconv {__version__} | torch {torch.__version__} | "
+    return (f"{device_description(device)} | knnconv {__version__} | torch {torch.__version__} | "
             f"{dtype} | B={batch} | Cin={plan.cin} Cout={plan.cout} K={plan.k} V={plan.v} "
             f"Nin={plan.nin} Nout={plan.nout} | {_geometry_digest(plan)}")
 
 
 def candidates(plan: KNNConvPlan, device: torch.device, dtype: torch.dtype) -> list[str]:
     """The backends ``auto`` may measure for this call: those that load and can serve it."""
-    names, available = [], available_backends()
-    for name in CANDIDATES:
-        if name not in available:
-            continue
-        try:
-            ops = get_ops(name)
-        except ImportError:  # a native backend whose toolchain is missing here
-            continue
-        if ops.unsupported_reason(plan, device, dtype) is None:
-            names.append(name)
-    return names
+    available = available_backends()
+    return [name for name in CANDIDATES
+            if name in available and unsupported_reason(name, plan, device, dtype) is None]
 
 
 def _capturing(device: torch.device) -> bool:
@@ -180,17 +164,9 @@ def step_ms(name: str, plan: KNNConvPlan, batch: int, device: torch.device,
     def step() -> None:
         _, saved = ops.forward_saving(plan, x, weight, bias)
         ops.gradients(plan, grad_y, saved, weight, needs, dtypes)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
 
-    times = []
     with torch.no_grad(), torch.autocast(device.type, enabled=False):
-        for index in range(TIMED_STEPS + 1):
-            start = time.perf_counter()
-            step()
-            if index:
-                times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+        return time_calls(step, device, warmup=1, repeats=TIMED_STEPS)[0]
 
 
 def _measure(names: list[str], plan: KNNConvPlan, batch: int, device: torch.device,
@@ -202,8 +178,7 @@ def _measure(names: list[str], plan: KNNConvPlan, batch: int, device: torch.devi
         except Exception as exc:  # noqa: BLE001 (any failure rules the candidate out)
             warnings.warn(f"knnconv autotune: {name} failed on this call's shapes and is left "
                           f"out ({type(exc).__name__}: {exc})", stacklevel=5)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            release_memory(device)
     return times
 
 

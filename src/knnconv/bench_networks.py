@@ -6,7 +6,7 @@ them (forward through every layer, then one backward through every layer, each l
 own random input), eagerly and replayed as a CUDA graph, and puts the time against the sum of
 the layers' training floors (ceilings measured in the same run), with knnconv's default (x kept
 between forward and backward) and keeping the cuda backend's input re-layouts instead
-(knnconv.set_keep_input_relayout(True)).
+(knnconv.keep_input_relayout(True)).
 Writes networks.json.
 """
 
@@ -23,11 +23,12 @@ from .bench import (
     device_description,
     forward_floor_ms,
     graph_replay_ms,
+    int_at_least,
     load_geometry_dir,
     measure_ceilings,
     time_calls,
 )
-from .functional import set_keep_input_relayout
+from .functional import keep_input_relayout
 from .layers import KNNConv
 
 # The published recipes' batches as the KNN layers see them (images x fixations).
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--geometry", type=Path, required=True, metavar="DIR")
     parser.add_argument("--out", type=Path, default=Path("bench/results"), metavar="DIR")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int_at_least(1), default=20)
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     ceilings = measure_ceilings(device)
@@ -75,11 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         floor = sum(TRAIN_FLOOR_FACTOR * forward_floor_ms(layer.plan, batch, ceilings)
                     for layer in layers)
         for keep in (False, True):
-            previous = set_keep_input_relayout(keep)
-            try:
+            with keep_input_relayout(keep):
                 times = time_network(layers, batch, args.repeats)
-            finally:
-                set_keep_input_relayout(previous)
             row = {"model": model, "batch": batch, "layers": len(layers), "dtype": "float16",
                    "backend": "cuda", "keep_input_relayout": keep, "floor_sum_ms": floor,
                    **times, "eager_over_floor": times["eager_ms"] / floor,

@@ -76,12 +76,12 @@ class KNNDepthwiseConv(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_features(x, self.nin, self.channels)
-        self.last_backend = resolve_neighbourhood_backend(
-            self.backend, x, atomics=True, cells=self.v,
-            dtype=promoted_dtype(x, self.weight, self.bias))
+        dtype = promoted_dtype(x, self.weight, self.bias)
+        self.last_backend = resolve_neighbourhood_backend(self.backend, x, atomics=True,
+                                                          cells=self.v, dtype=dtype)
         if self.last_backend == "cuda":
             tables = self._native_tables.get(self.knn_indices, self.nin, self.slot_cells)
-            return _NativeDepthwise.apply(x, self.weight, self.bias, tables, self.nin)
+            return _NativeDepthwise.apply(x, self.weight, self.bias, tables, self.nin, dtype)
         neighbours = gather_neighbours(x, self.knn_indices, fill=0.0)  # [B, C, K, Nout]
         slot_weights = F.pad(self.weight, (0, 1))[:, self.slot_cells]  # [C, K, Nout]
         y = (neighbours * slot_weights).sum(dim=2)
@@ -101,15 +101,14 @@ def promoted_dtype(x: torch.Tensor, weight: torch.Tensor,
 
 
 class _NativeDepthwise(torch.autograd.Function):
-    """The depthwise convolution on the native kernels, in the dtype torch's own ops would
-    promote x, weight and bias to; dx is a gather over the reversed graph, dW sums per block
-    and adds with fp32 atomics, the bias gradient is a torch sum."""
+    """The depthwise convolution on the native kernels, in ``dtype``, the one torch's own ops
+    would promote x, weight and bias to; dx is a gather over the reversed graph, dW sums per
+    block and adds with fp32 atomics, the bias gradient is a torch sum."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, tables, nin: int):
+    def forward(ctx, x, weight, bias, tables, nin: int, dtype: torch.dtype):
         from .ops.cuda import neighbourhood
 
-        dtype = promoted_dtype(x, weight, bias)
         xc, wc = x.to(dtype).contiguous(), weight.to(dtype).contiguous()
         bc = None if bias is None else bias.to(dtype).contiguous()
         y = neighbourhood.depthwise_forward(xc, wc, bc, tables.knn, tables.cells, nin)
@@ -138,7 +137,7 @@ class _NativeDepthwise(torch.autograd.Function):
                                                          ctx.cells).to(w_dtype)
         if need_b:
             grad_b = grad_y.sum(dim=(0, 2), dtype=torch.float32).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 class KNNDepthwiseSeparableConv(nn.Module):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .ops.registry import KNNConvOps, resolve_backend
@@ -70,16 +72,26 @@ def set_keep_input_relayout(enabled: bool) -> bool:
 
     False (the default): the forward keeps x itself and the cuda backend's backward re-lays
     it out again, so a layer holds no copy of its input between forward and backward (a
-    training step through fovi's AlexNet or ResNet-18 peaks below the anchor's memory,
+    training step through fovi's ResNet-18 peaks at 0.87x the anchor's memory,
     bench/NOTES.md version 24). True: the cuda backend keeps its batch-contiguous copy of x
     from the forward and the backward skips that re-layout (1-5% faster whole-network steps on
-    an H200, 29-37% more peak memory). The torch backends keep x either way. Returns the
+    an H200, 17-36% more peak memory). The torch backends keep x either way. Returns the
     previous setting. Read at every call; a torch.compile'd graph keeps the setting it was
     traced with.
     """
     global _keep_input_relayout
     previous, _keep_input_relayout = _keep_input_relayout, bool(enabled)
     return previous
+
+
+@contextlib.contextmanager
+def keep_input_relayout(enabled: bool):
+    """:func:`set_keep_input_relayout` (``enabled``) for a block, the previous setting after."""
+    previous = set_keep_input_relayout(enabled)
+    try:
+        yield
+    finally:
+        set_keep_input_relayout(previous)
 
 
 def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

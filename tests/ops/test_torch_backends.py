@@ -35,9 +35,11 @@ def test_tiny_memory_budget_gives_the_same_results(ops_class, rng):
     chunked = all_outputs(one_node_per_chunk, plan, *inputs)
     whole = all_outputs(ops_class(), plan, *inputs)
 
-    # Not bitwise: matmul picks different kernels for 1 and for 23 nodes.
+    # Not bitwise: matmul picks different kernels for 1 and for 23 nodes (worst seen over 20
+    # seeds: 6e-17 torch_compact, 5e-16 torch_binned).
+    tolerance = {TorchCompactOps: 1e-15, TorchBinnedOps: 1e-14}[ops_class]
     for key, value in whole.items():
-        assert rel_err(chunked[key], value) < 1e-14, key
+        assert rel_err(chunked[key], value) < tolerance, key
 
 
 @BACKENDS

@@ -48,7 +48,7 @@ def test_all_padding_gives_one_rank_of_padding_addresses():
     assert sources.shape == (1, 2, 2) and bool((sources == 8).all())
 
 
-def test_a_neighbour_listed_twice_counts_twice(rng):
+def test_a_neighbour_listed_twice_counts_twice():
     # The same input in two slots of one cell: the bin holds twice its value.
     knn = torch.tensor([[0, 1], [0, 1], [2, 3]])
     rf = torch.tensor([[0, 0, 1], [1, 0, 0]])

@@ -97,7 +97,7 @@ def matmul_accumulating(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> t
             return result
         except torch.cuda.OutOfMemoryError:
             raise  # says nothing about out_dtype
-        except (TypeError, RuntimeError, NotImplementedError):
+        except (TypeError, RuntimeError):  # NotImplementedError is a RuntimeError
             _OUT_DTYPE_MATMUL[device_type] = False
     return a.to(acc) @ b.to(acc)
 
@@ -110,12 +110,14 @@ class TorchBinnedOps(KNNConvOps):
 
     @staticmethod
     def _tables(plan: KNNConvPlan, device: torch.device) -> BinTables:
-        # Built from the host tables: their sizes depend on the data, which a meta device
-        # does not hold.
+        # Built once, from the host tables (their sizes depend on the data, which a meta
+        # device does not hold), and copied to each other device.
         def build(_device_tables):
+            if torch.device(device).type != "cpu":
+                return TorchBinnedOps._tables(plan, torch.device("cpu")).to(device)
             host = plan.on("cpu")
             sources = bin_sources(host.knn_indices, host.rf_index, plan.cin, plan.nin, plan.v)
-            return BinTables.build(sources, plan.cin * plan.nin).to(device)
+            return BinTables.build(sources, plan.cin * plan.nin)
         return plan.derived(device, "torch_binned.tables", build)
 
     def _node_chunks(self, plan: KNNConvPlan, batch: int, element_size: int):

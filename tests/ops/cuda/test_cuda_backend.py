@@ -412,11 +412,8 @@ def test_make_graphed_callables_replays_layers_forward_and_backward():
 
 @pytest.mark.parametrize("keep_relayout", [True, False])
 def test_compiled_network_on_the_gpu_matches_eager(keep_relayout):
-    previous = knnconv.set_keep_input_relayout(keep_relayout)
-    try:
+    with knnconv.keep_input_relayout(keep_relayout):
         check_compiled_network_matches_eager()
-    finally:
-        knnconv.set_keep_input_relayout(previous)
 
 
 def check_compiled_network_matches_eager():

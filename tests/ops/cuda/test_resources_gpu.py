@@ -108,7 +108,9 @@ def test_threads_asking_for_one_kernel_build_it_once(monkeypatch):
     assert kernels[0] is kernels[1]
 
 
-def test_threads_first_using_a_kernel_compile_it_once(monkeypatch):
+def test_threads_first_using_one_layer_get_its_result_from_kernels_built_once(monkeypatch):
+    # The layer's launch-plan lock already serialises these threads, so this cannot catch a
+    # broken compile lock; test_threads_asking_for_one_kernel_build_it_once does.
     layer = two_layers_on_one_input(torch.Generator().manual_seed(23))[1]
     knnconv.ops.cuda.clear_kernel_cache()
     compiled = counting_module_builds(monkeypatch)
@@ -147,8 +149,7 @@ def test_without_the_input_relayout_a_forward_holds_no_copy_of_its_inputs():
              for _ in layers]
     held, gradients = {}, {}
     for keep in (True, False, True):  # the first step compiles and verifies the kernels
-        previous = knnconv.set_keep_input_relayout(keep)
-        try:
+        with knnconv.keep_input_relayout(keep):
             leaves = [x.clone().requires_grad_() for x in inputs]
             for layer in layers:
                 layer.weight.grad = None
@@ -157,8 +158,6 @@ def test_without_the_input_relayout_a_forward_holds_no_copy_of_its_inputs():
             outputs = [layer(x) for layer, x in zip(layers, leaves, strict=True)]
             held[keep] = torch.cuda.memory_allocated() - before
             torch.autograd.backward(outputs, grads)
-        finally:
-            knnconv.set_keep_input_relayout(previous)
         gradients[keep] = [x.grad for x in leaves] + [layer.weight.grad for layer in layers]
     input_bytes = sum(x.numel() * x.element_size() for x in inputs)
     assert held[True] - held[False] >= input_bytes  # one re-layout (>= x, padded) per layer

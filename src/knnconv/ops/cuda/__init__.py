@@ -217,10 +217,7 @@ class CudaOps(KNNConvOps):
                                    device=device, need_input=need_input,
                                    need_weight=need_weight, need_bias=need_bias,
                                    grad_dtypes=grad_dtypes))
-        keys = {role: (launch.configs[role][0], grad_y.dtype, launch.configs[role][1], device)
-                for role, needed in (("input", need_input), ("weight", need_weight)) if needed}
-        if need_input:  # dx's staging dtype picks the kernel instantiation, so it is verified too
-            keys["input"] += (launch.staging_dtype,)
+        keys = launch.kernel_keys
         first = {role for role, key in keys.items() if self._first_use(key)}
         tables = plan.on(device)
         reverse = self.reverse(plan, device) if launch.algorithm == "gather" else None

@@ -70,17 +70,12 @@ def _launch(kernel: CompiledKernel, device_index: int, grid: tuple, block: tuple
     """cuLaunchKernel on torch's current stream of the device.
 
     Every argument is a non-negative int in its own 8-byte little-endian slot: device pointers
-    and int64 use all of it, int32 parameters read its first 4 bytes. A training step of a
-    small layer is ~10 launches and host-bound, so the common case (the device already current
-    with its context bound) goes straight to the driver.
+    and int64 use all of it, int32 parameters read its first 4 bytes.
     """
     state = _thread_state
     state.values[: len(args)] = args
     stream = torch._C._cuda_getCurrentRawStream(device_index)
-    if torch._C._cuda_getDevice() == device_index and device_index in state.bound_devices:
-        kernel.launch(grid, block, shared, stream, state.parameters)
-    else:
-        _on_device(device_index, kernel.launch, grid, block, shared, stream, state.parameters)
+    _on_device(device_index, kernel.launch, grid, block, shared, stream, state.parameters)
 
 
 def _zero(pointer: int, nbytes: int, device_index: int) -> None:
@@ -90,9 +85,14 @@ def _zero(pointer: int, nbytes: int, device_index: int) -> None:
 
 
 def _on_device(device_index: int, issue, *args) -> None:
-    """issue(*args) with the device current and its primary context bound to this thread."""
+    """issue(*args) with the device current and its primary context bound to this thread.
+
+    A training step of a small layer is ~10 launches and host-bound, so the common case (the
+    device already current, its context bound) costs two lookups before the driver call.
+    """
     if torch._C._cuda_getDevice() == device_index:  # torch.cuda.current_device() minus a layer
-        _bind_context(device_index)
+        if device_index not in _thread_state.bound_devices:
+            _bind_context(device_index)
         issue(*args)
     else:
         with torch.cuda.device(device_index):
@@ -171,8 +171,7 @@ class _Transpose:
             self.pairs_kernel = get_kernel(transpose_name(src_dtype, dst_dtype, pairs=True),
                                            device_index)
             self.pairs_grid = self._grid(PAIRS_TILE, PAIRS_TILE, dst_extents, sums_z)
-            self.pair_bytes = (2 * torch.empty((), dtype=src_dtype).element_size(),
-                               2 * torch.empty((), dtype=dst_dtype).element_size())
+            self.pair_bytes = (2 * src_dtype.itemsize, 2 * dst_dtype.itemsize)
 
     def _grid(self, tile_a: int, tile_c: int, dst_extents, sums_z: bool) -> tuple:
         dst_z, dst_a, dst_c = dst_extents
@@ -279,7 +278,7 @@ class _InputLayout:
         rows = cin * nin
         self.shape, self.dtype = (rows + 1, bpad), dtype
         self.batch, self.cin, self.nin = batch, cin, nin
-        item = torch.empty((), dtype=dtype).element_size()
+        item = dtype.itemsize
         self.spare_offset = _round_up((rows + 1) * bpad * item, 256)
         self.storage_rows = (-(-(self.spare_offset + spare_bytes) // (bpad * item))
                              if spare_bytes else 0)
@@ -388,7 +387,7 @@ class ForwardLaunch:
                                             grid_yz[0] * grid_yz[1], nout, device.index)
         self.cout, self.nout, self.p64, self.dtype = cout, nout, p64, dtype
         self.weight_layout = _weight_transposed(cout, q, self.cpad, dtype, dtype, device.index)
-        wt_bytes = q * self.cpad * torch.empty((), dtype=dtype).element_size()
+        wt_bytes = q * self.cpad * dtype.itemsize
         self.input_layout = _InputLayout(batch, cin, nin, bpad, dtype, dtype,
                                          device.index, spare_bytes=wt_bytes)
         self.gemm = _Gemm("forward", cfg, dtype, device.index,
@@ -453,22 +452,30 @@ class BackwardLaunch:
             cfg.bn if family == "grad_weight" else cfg.bk for family, cfg in needed)))
         self.algorithm, self.need_input, self.need_weight = algorithm, need_input, need_weight
         self.need_bias = need_bias
-        self.configs = {"input": (input_family, gi), "weight": ("grad_weight", gw)}
         self.batch, self.cin, self.nin, self.cout, self.q, self.p64 = batch, cin, nin, cout, q, p64
         self.dtype, self.grad_dtypes, self.device = dtype, grad_dtypes, device
-        item = torch.empty((), dtype=dtype).element_size()
+        item = dtype.itemsize
         rows = cin * nin
         # Workspace: [gt | weight re-layout | dx staging (gather) | zeroed: dxt, dwt, dbias]
         carve = _Carve()
         self.gt_at = carve.add(nout * gpad * bpad * item)
         self.to_gt = _Transpose(dtype, dtype, index, (cout, batch, nout), (gpad, bpad, nout),
                                 (bpad, gpad * bpad), sums_z=need_bias)
-        # Gathered dx elements are written once from fp32 accumulators, so staging them in dx's
-        # own dtype rounds exactly as converting an fp32 staging later would, in half the bytes.
-        self.staging_dtype = torch.float32
-        if need_input and algorithm == "gather":
-            if grad_dtypes[0] == dtype:
-                self.staging_dtype = dtype
+        # dx is staged before its layout is restored: in float32 where atomics sum it
+        # (scatter), in dx's own dtype where that is the compute dtype and the gather writes
+        # each element once from fp32 accumulators (rounding as a later conversion would, in
+        # half the bytes).
+        gathered = need_input and algorithm == "gather"
+        self.staging_dtype = (dtype if gathered and grad_dtypes[0] == dtype
+                              else torch.float32)
+        # Per needed role, what names its GEMM kernel (family, dtypes read and stored, tile
+        # config) on this device: CudaOps verifies each kernel on its first use.
+        self.kernel_keys = {
+            role: (family, dtype, cfg, device, stored)
+            for role, family, cfg, stored, needed in (
+                ("input", input_family, gi, self.staging_dtype, need_input),
+                ("weight", "grad_weight", gw, torch.float32, need_weight)) if needed}
+        if gathered:
             self.cinpad = _round_up(cin, gi.bn)
             self.weight_at = carve.add((q // cin) * gpad * self.cinpad * item)
             self.weight_layout = _weight_by_cell(cout, cin, q // cin, gpad, self.cinpad, dtype,
@@ -476,8 +483,7 @@ class BackwardLaunch:
             self.input_gemm = _Gemm(input_family, gi, dtype, index,
                                     (nin, self.cinpad // gi.bn, bpad // gi.tile_m),
                                     out_dtype=self.staging_dtype)
-            staging_item = torch.empty((), dtype=self.staging_dtype).element_size()
-            self.dx_at = carve.add(batch * nin * cin * staging_item)
+            self.dx_at = carve.add(batch * nin * cin * self.staging_dtype.itemsize)
             self.restore_dx = _Transpose(self.staging_dtype, grad_dtypes[0], index,
                                          (batch, nin, cin), (batch, nin, cin), (rows, nin))
             self.restore_dx_strides = (nin * cin, cin, 1)
@@ -489,12 +495,12 @@ class BackwardLaunch:
                                                 grid_yz[0] * grid_yz[1], nout, index)
             self.input_gemm = _Gemm(input_family, gi, dtype, index,
                                     (-(-nout // self.nodes_per_cta), *grid_yz))
-            self.restore_dx = _Transpose(torch.float32, grad_dtypes[0], index,
+            self.restore_dx = _Transpose(self.staging_dtype, grad_dtypes[0], index,
                                          (1, rows, batch), (1, rows, batch), (0, rows))
             self.restore_dx_strides = (0, bpad, 1)
         self.zero_from = carve.size
         if need_input and algorithm == "scatter":
-            self.dx_at = carve.add(rows * bpad * 4)
+            self.dx_at = carve.add(rows * bpad * self.staging_dtype.itemsize)
         if need_weight:
             self.input_layout = _InputLayout(batch, cin, nin, bpad, dtype, dtype, index)
             p_tiles, k_tiles = p64 // gw.tile_m, bpad // gw.bk

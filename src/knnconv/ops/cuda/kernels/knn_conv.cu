@@ -18,8 +18,8 @@ namespace knnconv {
 using namespace nvcuda;
 
 // wmma::load_matrix_sync's bfloat16 overloads emit wmma.load with a generic address (the
-// __half ones get .shared inferred), which ptxas cannot lower to ldmatrix: bf16 ran 1.22x
-// (training step, graph replay) to 1.31x (forward) slower than fp16 on the same tiles. Every
+// __half ones get .shared inferred), which ptxas cannot lower to ldmatrix: bf16 ran 1.22x (a
+// training step replayed as a CUDA graph) to 1.31x (forward) slower than fp16 on the same tiles. Every
 // fragment here is staged in shared memory, so the bf16 loads spell the state space out.
 template <typename Fragment, typename T>
 __device__ __forceinline__ void load_shared_fragment(Fragment& fragment, const T* shared,
@@ -481,8 +481,9 @@ __global__ void __launch_bounds__(kTransposeThreads, 8)
   for (long long a0 = static_cast<long long>(blockIdx.y) << log_tile_a; a0 < dst_a;
        a0 += a_step) {
     // Every load of the tile is issued before the first shared store: loaded and stored one
-    // at a time, a thread kept one load in flight and the re-layouts ran latency bound at
-    // ~1 TB/s (Nsight Compute: 16% of DRAM throughput at 91% occupancy, session 3).
+    // at a time, a thread kept one load in flight, the re-layouts ran latency bound at ~1 TB/s
+    // (Nsight Compute: 16% of DRAM throughput at 91% occupancy, session 3), and the odd-stride
+    // x re-layout that still takes this kernel stayed there (0.97 TB/s, bench/NOTES.md 16).
     float values[kTransposeElements / kTransposeThreads];
 #pragma unroll
     for (int k = 0; k < kTransposeElements / kTransposeThreads; ++k) {
@@ -519,9 +520,8 @@ __global__ void __launch_bounds__(kTransposeThreads, 8)
 // allow two-element accesses (the host checks: src contiguous along c, dst along a, even
 // strides, pointers aligned to two elements): each thread loads pairs of c (one 32- or 64-bit
 // load each) and writes pairs of a (one store each) through a kPairsTile x kPairsTile tile.
-// Single-element accesses moved conv1's grad_y at ~1 TB/s, latency bound (16% of DRAM
-// throughput at 91% occupancy); this kernel moves it at 2.87 TB/s on an H200 (bench/NOTES.md
-// version 23). Grid and z_sums as transpose_pad. Eight loads in flight per thread: with
+// transpose_pad moved conv1's grad_y at ~1 TB/s (see its loads); this kernel moves it at 2.87
+// TB/s on an H200 (bench/NOTES.md version 23). Grid and z_sums as transpose_pad. Eight loads in flight per thread: with
 // 2-byte sources they fit the 48 registers of five CTAs per SM without spilling on sm_80 and
 // sm_90 (NVRTC 13.0 and nvcc); 4-byte sources hold twice the bits, and nvcc 13.0 spills at 48
 // on sm_120, so those and sm_100+ get four CTAs.

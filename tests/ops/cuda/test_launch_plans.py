@@ -1,0 +1,52 @@
+"""Backward launch plans built without a GPU (kernel builds and device queries stubbed): what
+they stage dx in, the workspace they carve for it, and the kernels CudaOps verifies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from knnconv.ops.cuda import launch
+
+
+class UnbuiltKernel:
+    def allow_shared_memory(self, size: int) -> None:
+        pass
+
+
+@pytest.fixture
+def plans(monkeypatch):
+    monkeypatch.setattr(launch, "get_kernel", lambda name, index: UnbuiltKernel())
+    monkeypatch.setattr(launch, "_shared_memory_limit", lambda index: 227 * 1024)
+    monkeypatch.setattr(launch, "_multiprocessors", lambda index: 132)
+
+    def backward(algorithm, cin, grad_dtype, need_weight=True):
+        return launch.BackwardLaunch(
+            batch=17, cin=cin, nin=70, cout=65, nout=31, q=cin * 9, p64=-(-cin * 9 // 64) * 64,
+            dtype=torch.float16, device=torch.device("cuda", 0), need_weight=need_weight,
+            algorithm=algorithm, grad_dtypes=(grad_dtype, torch.float32, torch.float32))
+    return backward
+
+
+def test_a_gathered_dx_is_staged_in_its_own_dtype_when_that_is_the_compute_dtype(plans):
+    own, wide = plans("gather", 40, torch.float16), plans("gather", 40, torch.float32)
+    assert own.staging_dtype == torch.float16 and wide.staging_dtype == torch.float32
+    # the workspace shrinks by exactly the bytes the narrower staging saves (up to alignment)
+    saved = wide.workspace_bytes - own.workspace_bytes
+    assert 17 * 70 * 40 * 2 <= saved < 17 * 70 * 40 * 2 + 2 * 256
+    assert own.kernel_keys["input"][-1] == torch.float16
+    assert wide.kernel_keys["input"][-1] == torch.float32
+
+
+def test_a_scattered_dx_is_summed_in_float32_whatever_its_dtype(plans):
+    for grad_dtype in (torch.float16, torch.float32):
+        assert plans("scatter", 3, grad_dtype).staging_dtype == torch.float32
+
+
+def test_only_the_needed_kernels_are_verified(plans):
+    assert set(plans("gather", 40, torch.float16).kernel_keys) == {"input", "weight"}
+    only_input = plans("gather", 40, torch.float16, need_weight=False)
+    assert set(only_input.kernel_keys) == {"input"}
+    family, dtype, _, device, stored = only_input.kernel_keys["input"]
+    assert (family, dtype, device, stored) == ("grad_input", torch.float16,
+                                               torch.device("cuda", 0), torch.float16)
