@@ -5,8 +5,9 @@ scatter, nodes per CTA) on real layer geometries (GPU).
 
 KNNCONV_TUNE_FAMILIES=forward,grad_weight (comma-separated) limits the families tuned.
 
-Median of CUDA-event-timed calls of the family's entry point (the backward ones include the
-grad_y re-layout, the same for every config); every timing is written, and the fastest
+Median GPU time of the family's entry point replayed as a CUDA graph (the backward ones
+include the grad_y re-layout, the same for every config), so a tile's own time shows on
+layers whose eager calls are bound by the host; every timing is written, and the fastest
 config per (family, cell) printed, for tiles.json.
 """
 
@@ -20,14 +21,16 @@ from pathlib import Path
 
 import torch
 
-from knnconv.bench import load_geometry_dir, time_calls
+from knnconv.bench import graph_replay_ms, load_geometry_dir
 from knnconv.ops import cuda as knn_cuda
 from knnconv.ops.cuda import launch
 from knnconv.ops.cuda.configs import WALKING_MAX_THREADS, KernelConfig, check_config
 
-# (bm, bn, rb, wm, wn): CTA tile (bm*rb) x bn over wm x wn warps.
+# (bm, bn, rb, wm, wn): CTA tile (bm*rb) x bn over wm x wn warps. The small tiles give layers
+# with few nodes (and small batches) more CTAs than the GPU has SMs.
 TILES = [(64, 128, 2, 2, 4), (64, 64, 2, 4, 2), (64, 128, 1, 2, 4), (64, 256, 2, 4, 4),
-         (64, 32, 2, 4, 1), (64, 64, 3, 4, 2)]
+         (64, 32, 2, 4, 1), (64, 64, 3, 4, 2), (64, 64, 1, 2, 2), (32, 64, 1, 2, 2),
+         (32, 32, 1, 2, 1), (16, 64, 1, 1, 4), (16, 32, 1, 1, 2)]
 WALKS = (1, 2, 4, 8)  # nodes per CTA, for the families whose CTAs walk nodes
 FAMILIES_TO_TUNE = os.environ.get("KNNCONV_TUNE_FAMILIES",
                                   "forward,grad_input,grad_input_scatter,grad_weight").split(",")
@@ -76,7 +79,7 @@ def tune_cell(layer, batch: int) -> list[dict]:
                         nodes_per_cta=nodes,
                         **({"input_config": cfg} if need_input else {"weight_config": cfg}))
             try:
-                ms = time_calls(call, torch.device("cuda"), warmup=1, repeats=15)[0]
+                ms = graph_replay_ms(call, torch.device("cuda"), warmup=2, repeats=15)[0]
             except Exception as exc:  # a config the device cannot launch: record and go on
                 print(f"{family} {tuple(cfg)} failed: {exc}")
                 continue

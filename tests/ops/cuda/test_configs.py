@@ -7,7 +7,10 @@ import pytest
 from knnconv.ops.cuda.configs import (
     MAX_NODES_PER_CTA,
     KernelConfig,
+    _choose,
+    _rules,
     default_config,
+    default_grad_input_config,
     default_grad_weight_config,
     default_nodes_per_cta,
 )
@@ -33,3 +36,32 @@ def test_walks_keep_four_ctas_per_sm_and_skip_16_warp_tiles():
     sixteen_warps = KernelConfig(64, 256, 64, 2, 4, 4, 2, True, 8)
     assert default_nodes_per_cta(sixteen_warps, 1, 64, 10_000, 132) == 1
     assert default_nodes_per_cta(cfg, 1, 10_000, 10_000, 132) == MAX_NODES_PER_CTA
+
+
+# resnet18 layer4.0.conv1's sizes (Nout 2, Nin 16, Cin 256, Cout 512, P64 2304): the large
+# tiles would launch 4 forward CTAs at B = 128.
+def test_few_node_layers_fall_through_to_tiles_that_launch_enough_ctas():
+    assert default_config(128, 512, 2304) == default_config(128, 512, 2304, nout=964)
+    assert default_config(128, 512, 2304, nout=2)[:7] == (32, 64, 32, 1, 2, 2, 3)
+    assert default_config(512, 512, 2304, nout=2)[:7] == (64, 128, 64, 2, 2, 4, 3)
+    assert default_config(2048, 512, 2304, nout=2) == default_config(2048, 512, 2304)
+    assert default_grad_input_config(128, 512, nin=2)[:7] == (64, 64, 64, 1, 2, 2, 3)
+    assert default_grad_input_config(2048, 256, nin=16) == default_grad_input_config(2048, 256)
+
+
+@pytest.mark.parametrize("family,n,nodes", [("forward", 512, 2), ("forward", 256, 16),
+                                            ("forward", 384, 60), ("grad_input", 512, 2),
+                                            ("grad_input", 128, 60), ("grad_input", 384, 60)])
+@pytest.mark.parametrize("batch", [65, 128, 512, 2048])
+def test_a_rule_with_min_ctas_is_taken_only_when_its_grid_has_them(family, n, nodes, batch):
+    rules = _rules()[family]
+    chosen = _choose(family, batch, n, 2304, nodes)
+    [rule] = [r for r in rules if KernelConfig(*r["config"]) == chosen][:1]
+    ctas = nodes * -(-n // chosen.bn) * -(-batch // chosen.tile_m)
+    assert ctas >= rule.get("min_ctas", 0)
+    # every earlier rule whose other conditions hold was skipped for too few CTAs
+    for earlier in rules[:rules.index(rule)]:
+        config = KernelConfig(*earlier["config"])
+        if (batch <= earlier.get("max_batch", batch) and n <= earlier.get("max_n", n)
+                and n % earlier.get("n_multiple_of", 1) == 0):
+            assert nodes * -(-n // config.bn) * -(-batch // config.tile_m) < earlier["min_ctas"]

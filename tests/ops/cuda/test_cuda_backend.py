@@ -141,6 +141,30 @@ def test_entries_match_reference_over_sizes(dtype, batch, cout):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_few_node_layers_take_their_small_default_tiles_and_match_reference(dtype):
+    # Nout 2, Nin 8: the large default tiles would launch 8 forward and 32 grad_input CTAs,
+    # so both fall through to the last rules (tiles.json min_ctas), on the entry points and
+    # through autograd (forward re-layout reused by the backward).
+    case = make_case(2, batch=129, cin=130, cout=130, dtype=dtype, nin=8, nout=2, k=5,
+                     padding=0.2)
+    plan, x, weight, bias, grad_y = case
+    forward_rules, input_rules = configs._rules()["forward"], configs._rules()["grad_input"]
+    assert configs.default_config(129, 130, plan.p64, nout=2) == configs.KernelConfig(
+        *forward_rules[-1]["config"])
+    assert configs.default_grad_input_config(129, 130, nin=8) == configs.KernelConfig(
+        *input_rules[-1]["config"])
+    check_all_entries(*case)
+    x64 = x.double().requires_grad_()
+    w64, b64 = weight.double().requires_grad_(), bias.double().requires_grad_()
+    knnconv.knn_conv(x64, w64, b64, plan, "reference").backward(grad_y.double())
+    leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+    y = knnconv.knn_conv(*leaves, plan, "cuda")
+    y.backward(grad_y)
+    for leaf, expected in zip(leaves, (x64, w64, b64), strict=True):
+        assert rel_err(leaf.grad, expected.grad) < FORWARD_TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("knobs", list(EDGE_GEOMETRIES.values()), ids=list(EDGE_GEOMETRIES))
 @pytest.mark.parametrize("batch", (1, 17, 129))
 @pytest.mark.parametrize("algorithm", ("gather", "scatter"))

@@ -50,3 +50,16 @@ def test_only_the_needed_kernels_are_verified(plans):
     family, dtype, _, device, stored = only_input.kernel_keys["input"]
     assert (family, dtype, device, stored) == ("grad_input", torch.float16,
                                                torch.device("cuda", 0), torch.float16)
+
+
+@pytest.mark.parametrize("batch", [17, 128, 512])
+def test_a_few_node_forward_pads_the_batch_as_its_default_backward_does(plans, batch):
+    # resnet18 layer4.0.conv1: the tiles fall through to small ones for few nodes, in both
+    # directions; the backward reuses the forward's re-layout of x only if the paddings agree
+    sizes = {"batch": batch, "cin": 256, "nin": 16, "cout": 512, "nout": 2, "q": 256 * 9,
+             "p64": 2304, "dtype": torch.float16, "device": torch.device("cuda", 0)}
+    forward = launch.ForwardLaunch(**sizes)
+    backward = launch.BackwardLaunch(**sizes)
+    assert forward.bpad == backward.bpad
+    if batch == 128:
+        assert forward.cfg.tile_m == 32 and backward.kernel_keys["input"][2].tile_m == 64

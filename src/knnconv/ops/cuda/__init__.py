@@ -198,7 +198,7 @@ class CudaOps(KNNConvOps):
     def saved_layout(self, plan, batch, dtype):
         cfg = default_config(batch, plan.cout, plan.p64, dtype, plan.nout)
         return (plan.cin * plan.nin + 1,
-                forward_batch_padding(batch, cfg, plan.cin, plan.cout, plan.p64))
+                forward_batch_padding(batch, cfg, plan.cin, plan.nin, plan.cout, plan.p64))
 
     def saved_tensor(self, saved_x):
         return saved_x.xt

@@ -109,7 +109,12 @@ def _rules() -> dict:
     return json.loads((Path(__file__).with_name("tiles.json")).read_text())
 
 
-def _choose(family: str, batch: int, n: int, p64: int) -> KernelConfig:
+def _ctas(cfg: KernelConfig, batch: int, n: int, nodes: int) -> int:
+    """CTAs of a node-per-CTA grid: nodes x N tiles x batch tiles."""
+    return nodes * -(-n // cfg.bn) * -(-batch // cfg.tile_m)
+
+
+def _choose(family: str, batch: int, n: int, p64: int, nodes: int | None = None) -> KernelConfig:
     for rule in _rules()[family]:
         if batch > rule.get("max_batch", math.inf) or n > rule.get("max_n", math.inf):
             continue
@@ -117,21 +122,26 @@ def _choose(family: str, batch: int, n: int, p64: int) -> KernelConfig:
             continue
         if p64 % rule.get("p64_multiple_of", 1) or n % rule.get("n_multiple_of", 1):
             continue
-        return KernelConfig(*rule["config"])
+        config = KernelConfig(*rule["config"])
+        if nodes is not None and _ctas(config, batch, n, nodes) < rule.get("min_ctas", 0):
+            continue
+        return config
     raise LookupError(f"tiles.json has no {family} rule for batch={batch}, n={n}")
 
 
 def default_config(batch, cout, p64, dtype=None, nout=None) -> KernelConfig:
     """Forward geometry: the minimal 16-row tile with synchronous staging for small batches,
-    128 batch rows per CTA (weight-tile reuse) and cp.async for large ones. ``dtype`` and
-    ``nout`` do not change the choice (kept for the seed's signature)."""
-    return _choose("forward", batch, cout, p64)
+    128 batch rows per CTA (weight-tile reuse) and cp.async for large ones; given ``nout``,
+    smaller tiles where the large ones would launch fewer CTAs than a rule's ``min_ctas``
+    (layers with a few nodes). ``dtype`` does not change the choice (the seed's signature)."""
+    return _choose("forward", batch, cout, p64, nout)
 
 
-def default_grad_input_config(batch, cin) -> KernelConfig:
+def default_grad_input_config(batch, cin, nin=None) -> KernelConfig:
     """grad_input geometry: batch-tiled like the forward, the N tile sized to Cin (the seed's
-    signature took Cout: its dx kernel tiled slots; this one tiles input channels)."""
-    return _choose("grad_input", batch, cin, SLOT_ALIGN)
+    signature took Cout: its dx kernel tiled slots; this one tiles input channels); given
+    ``nin`` (its grid has one CTA row per input node), smaller tiles for few-node layers."""
+    return _choose("grad_input", batch, cin, SLOT_ALIGN, nin)
 
 
 def default_grad_input_algorithm(cin: int) -> str:

@@ -351,19 +351,21 @@ def padded_batch(batch: int, *configs: tuple[str, KernelConfig]) -> int:
                                        for family, cfg in configs)))
 
 
-def _default_backward_tiles(batch: int, cin: int, cout: int, p64: int):
+def _default_backward_tiles(batch: int, cin: int, nin: int, cout: int, p64: int):
     """The (family, config) pairs a default backward of this call would run."""
     if default_grad_input_algorithm(cin) == "scatter":
         grad_input_tiles = ("grad_input_scatter", default_grad_input_scatter_config(batch))
     else:
-        grad_input_tiles = ("grad_input", default_grad_input_config(batch, cin))
+        grad_input_tiles = ("grad_input", default_grad_input_config(batch, cin, nin))
     return grad_input_tiles, ("grad_weight", default_grad_weight_config(batch, cout, p64))
 
 
-def forward_batch_padding(batch: int, cfg: KernelConfig, cin: int, cout: int, p64: int) -> int:
+def forward_batch_padding(batch: int, cfg: KernelConfig, cin: int, nin: int, cout: int,
+                          p64: int) -> int:
     """The padded batch of a forward's xt: its own tile and the default backward's, so the
     backward can reuse xt."""
-    return padded_batch(batch, ("forward", cfg), *_default_backward_tiles(batch, cin, cout, p64))
+    return padded_batch(batch, ("forward", cfg),
+                        *_default_backward_tiles(batch, cin, nin, cout, p64))
 
 
 class ForwardLaunch:
@@ -380,7 +382,7 @@ class ForwardLaunch:
         self.cfg = cfg = check_config(
             "forward", config or default_config(batch, cout, p64, dtype, nout), p64=p64,
             max_shared_bytes=_shared_memory_limit(device.index))
-        bpad = forward_batch_padding(batch, cfg, cin, cout, p64)
+        bpad = forward_batch_padding(batch, cfg, cin, nin, cout, p64)
         self.batch, self.bpad, self.cpad = batch, bpad, _round_up(cout, cfg.bn)
         grid_yz = (self.cpad // cfg.bn, bpad // cfg.tile_m)
         self.nodes_per_cta = _nodes_per_cta(nodes_per_cta, cfg, p64 // cfg.bk,
@@ -440,7 +442,7 @@ class BackwardLaunch:
         input_family = "grad_input" if algorithm == "gather" else "grad_input_scatter"
         limit = _shared_memory_limit(index)
         gi = check_config(input_family, input_config or (
-            default_grad_input_config(batch, cin) if algorithm == "gather"
+            default_grad_input_config(batch, cin, nin) if algorithm == "gather"
             else default_grad_input_scatter_config(batch)), p64=p64, max_shared_bytes=limit)
         gw = check_config("grad_weight",
                           weight_config or default_grad_weight_config(batch, cout, p64), p64=p64,
