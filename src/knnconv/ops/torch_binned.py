@@ -20,7 +20,7 @@ import torch
 
 from ..plan import KNNConvPlan
 from .registry import KNNConvOps, accumulation_dtype
-from .torch_compact import DEFAULT_MEMORY_BUDGET, node_chunks, padded_flat_input
+from .torch_common import DEFAULT_MEMORY_BUDGET, node_chunks, padded_flat_input
 
 
 def bin_sources(knn_indices: torch.Tensor, rf_index: torch.Tensor, cin: int, nin: int,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import random_geometry
 from knnconv.ops.cuda import launch
 
 
@@ -63,3 +64,20 @@ def test_a_few_node_forward_pads_the_batch_as_its_default_backward_does(plans, b
     assert forward.bpad == backward.bpad
     if batch == 128:
         assert forward.cfg.tile_m == 32 and backward.kernel_keys["input"][2].tile_m == 64
+
+
+@pytest.mark.parametrize("nout,batch", [(2, 130), (2, 2048), (300, 129)])
+def test_the_layout_compile_traces_for_a_kept_relayout_is_the_one_the_forward_builds(
+        plans, nout, batch):
+    # torch.compile allocates the saved re-layout from CudaOps.saved_layout (fake impl); the
+    # real forward must produce exactly that shape (with Nout 2 at B = 130 the few-node tiles
+    # pad the batch to 192, the large ones to 256)
+    from knnconv.ops.cuda import CudaOps
+
+    plan = random_geometry(torch.Generator().manual_seed(nout), nin=8, nout=nout,
+                           k=5).plan(cin=256, cout=512)
+    forward = launch.ForwardLaunch(batch=batch, cin=plan.cin, nin=plan.nin, cout=plan.cout,
+                                   nout=plan.nout, q=plan.q, p64=plan.p64, dtype=torch.float16,
+                                   device=torch.device("cuda", 0))
+    assert CudaOps().saved_layout(plan, batch, torch.float16) == (plan.cin * plan.nin + 1,
+                                                                  forward.bpad)

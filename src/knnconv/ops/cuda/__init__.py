@@ -196,9 +196,8 @@ class CudaOps(KNNConvOps):
         return self.forward_saving(plan, x, weight, bias)[0]
 
     def saved_layout(self, plan, batch, dtype):
-        cfg = default_config(batch, plan.cout, plan.p64, dtype, plan.nout)
-        return (plan.cin * plan.nin + 1,
-                forward_batch_padding(batch, cfg, plan.cin, plan.nin, plan.cout, plan.p64))
+        return (plan.cin * plan.nin + 1, forward_batch_padding(
+            batch, plan.cin, plan.nin, plan.cout, plan.nout, plan.p64))
 
     def saved_tensor(self, saved_x):
         return saved_x.xt

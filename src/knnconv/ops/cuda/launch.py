@@ -360,10 +360,11 @@ def _default_backward_tiles(batch: int, cin: int, nin: int, cout: int, p64: int)
     return grad_input_tiles, ("grad_weight", default_grad_weight_config(batch, cout, p64))
 
 
-def forward_batch_padding(batch: int, cfg: KernelConfig, cin: int, nin: int, cout: int,
-                          p64: int) -> int:
-    """The padded batch of a forward's xt: its own tile and the default backward's, so the
-    backward can reuse xt."""
+def forward_batch_padding(batch: int, cin: int, nin: int, cout: int, nout: int, p64: int,
+                          cfg: KernelConfig | None = None) -> int:
+    """The padded batch of a forward's xt (of its tile ``cfg``, default: the default tile): its
+    own tile and the default backward's, so the backward can reuse xt."""
+    cfg = cfg or default_config(batch, cout, p64, nout=nout)
     return padded_batch(batch, ("forward", cfg),
                         *_default_backward_tiles(batch, cin, nin, cout, p64))
 
@@ -382,7 +383,7 @@ class ForwardLaunch:
         self.cfg = cfg = check_config(
             "forward", config or default_config(batch, cout, p64, dtype, nout), p64=p64,
             max_shared_bytes=_shared_memory_limit(device.index))
-        bpad = forward_batch_padding(batch, cfg, cin, nin, cout, p64)
+        bpad = forward_batch_padding(batch, cin, nin, cout, nout, p64, cfg)
         self.batch, self.bpad, self.cpad = batch, bpad, _round_up(cout, cfg.bn)
         grid_yz = (self.cpad // cfg.bn, bpad // cfg.tile_m)
         self.nodes_per_cta = _nodes_per_cta(nodes_per_cta, cfg, p64 // cfg.bk,
