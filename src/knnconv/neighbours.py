@@ -62,20 +62,16 @@ def _native_unsupported(x: torch.Tensor, dtype: torch.dtype, atomics: bool,
     if cells is not None and cells > MAX_NATIVE_CELLS:
         return (f"has V = {cells} kernel cells; its weight gradient holds at most "
                 f"{MAX_NATIVE_CELLS} in shared memory")
-    if x.device.type != "cuda":
-        return f"needs CUDA tensors, got {x.device.type}"
-    from .ops.cuda.neighbourhood import NATIVE_DTYPES
+    if x.device.type == "cuda":
+        from .ops.cuda.neighbourhood import NATIVE_DTYPES
 
-    if dtype not in NATIVE_DTYPES:
-        return f"computes in float16/bfloat16/float32, got {dtype}"
-    if torch.compiler.is_compiling():
-        return "is not traceable by torch.compile (backend='auto' uses torch ops there)"
-    if atomics and torch.are_deterministic_algorithms_enabled():
-        return ("its weight gradient accumulates with fp32 atomics, which is not "
-                "deterministic; use backend='torch' under torch.use_deterministic_algorithms")
+        if dtype not in NATIVE_DTYPES:
+            return f"computes in float16/bfloat16/float32, got {dtype}"
+        if torch.compiler.is_compiling():
+            return "is not traceable by torch.compile (backend='auto' uses torch ops there)"
     from .ops.registry import get_ops
 
-    return get_ops("cuda").device_reason(x.device.index)
+    return get_ops("cuda").call_reason(x.device, atomics=atomics, alternative="torch")
 
 
 def resolve_neighbourhood_backend(backend: str, x: torch.Tensor, *, atomics: bool,

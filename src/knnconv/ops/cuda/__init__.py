@@ -134,19 +134,26 @@ class CudaOps(KNNConvOps):
             self._device_reasons[index] = reason
         return self._device_reasons[index]
 
-    def unsupported_reason(self, plan: KNNConvPlan, device: torch.device,
-                           dtype: torch.dtype) -> str | None:
+    def call_reason(self, device: torch.device, *, atomics: bool, alternative: str) -> str | None:
+        """Why native kernels (this backend's or the pooling / depthwise ones) cannot serve a
+        call on ``device`` whatever its sizes: not a CUDA device, deterministic algorithms
+        requested of a backward that accumulates with atomics (``alternative`` names the
+        backend to use instead), or :meth:`device_reason`."""
         if device.type != "cuda":
             return f"needs CUDA tensors, got {device.type}"
-        if dtype not in COMPUTE_DTYPES:
-            return (f"computes in float16/bfloat16, got {dtype} (use torch.autocast, or "
-                    "backend='torch_compact' / 'auto' for float32)")
-        if torch.are_deterministic_algorithms_enabled():
+        if atomics and torch.are_deterministic_algorithms_enabled():
             return ("its weight gradient accumulates with fp32 atomics, which is not "
-                    "deterministic; use backend='torch_compact' under "
+                    f"deterministic; use backend='{alternative}' under "
                     "torch.use_deterministic_algorithms")
         index = device.index if device.index is not None else torch.cuda.current_device()
         return self.device_reason(index)
+
+    def unsupported_reason(self, plan: KNNConvPlan, device: torch.device,
+                           dtype: torch.dtype) -> str | None:
+        if device.type == "cuda" and dtype not in COMPUTE_DTYPES:
+            return (f"computes in float16/bfloat16, got {dtype} (use torch.autocast, or "
+                    "backend='torch_compact' / 'auto' for float32)")
+        return self.call_reason(device, atomics=True, alternative="torch_compact")
 
     def _first_use(self, key: tuple) -> bool:
         if key in self._verified:
