@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from knnconv.ops.cuda.launch import PAIRS_TILE, _Transpose, transpose_tile_log2
+from knnconv.ops.cuda.launch import _Transpose
 
 DEVICE = torch.device("cuda")
 B = 2048
@@ -59,10 +59,8 @@ def case(name, src, src_strides, src_extents, dst_extents, dst_strides, dst_dtyp
     ms = gpu_ms(lambda: relayout(src, dst.data_ptr(), src_strides, sums_at))
     copy_ms = gpu_ms(torch_copy)
     moved = src.numel() * src.element_size() + dst.numel() * dst.element_size()
-    log_a, log_c = transpose_tile_log2(dst_extents[1], dst_extents[2])
-    pairs = relayout.uses_pairs(src.data_ptr(), dst.data_ptr(), src_strides)
-    row = {"relayout": name, "kernel": "transpose_pairs" if pairs else "transpose_pad",
-           "tile": [PAIRS_TILE] * 2 if pairs else [2**log_a, 2**log_c],
+    kernel, tile = relayout.kernel_and_tile(src.data_ptr(), dst.data_ptr(), src_strides)
+    row = {"relayout": name, "kernel": kernel, "tile": list(tile),
            "ms": ms, "torch_copy_ms": copy_ms, "gbps": moved / ms / 1e6,
            "torch_copy_gbps": moved / copy_ms / 1e6, "bytes": moved}
     print(f"{name:30} {row['kernel']:15} {row['tile']!s:10} {ms * 1e3:8.1f} us "

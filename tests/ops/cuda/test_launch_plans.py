@@ -81,3 +81,14 @@ def test_the_layout_compile_traces_for_a_kept_relayout_is_the_one_the_forward_bu
                                    device=torch.device("cuda", 0))
     assert CudaOps().saved_layout(plan, batch, torch.float16) == (plan.cin * plan.nin + 1,
                                                                   forward.bpad)
+
+
+def test_a_relayout_reports_the_kernel_and_tile_each_call_takes(plans):
+    relayout = launch._Transpose(torch.float16, torch.float16, 0, (1, 256, 256), (1, 256, 256),
+                                 (0, 256))
+    pad_tile = (1 << relayout.log_tile_a, 1 << relayout.log_tile_c)
+    assert relayout.kernel_and_tile(0, 0, (0, 256, 1)) == (
+        "transpose_pairs", (launch.PAIRS_TILE, launch.PAIRS_TILE))
+    # an address off the pair boundary, or an odd source stride, takes single elements
+    assert relayout.kernel_and_tile(2, 0, (0, 256, 1)) == ("transpose_pad", pad_tile)
+    assert relayout.kernel_and_tile(0, 0, (0, 255, 1)) == ("transpose_pad", pad_tile)

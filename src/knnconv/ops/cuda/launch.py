@@ -164,7 +164,7 @@ class _Transpose:
         log_a, log_c = transpose_tile_log2(dst_a, dst_c)
         self.grid = self._grid(1 << log_a, 1 << log_c, dst_extents, sums_z)
         self.static = (*src_extents, dst_a, dst_c, *dst_strides)
-        self.log_tile_c = log_c
+        self.log_tile_a, self.log_tile_c = log_a, log_c
         self.pairs_kernel = None
         square = (SQUARE_TILE_LOG2, SQUARE_TILE_LOG2)
         if (log_a, log_c) == square and all(stride % 2 == 0 for stride in dst_strides):
@@ -191,6 +191,12 @@ class _Transpose:
         return (self.pairs_kernel is not None and stride_c == 1 and stride_a % 2 == 0
                 and stride_z % 2 == 0 and src % self.pair_bytes[0] == 0
                 and dst % self.pair_bytes[1] == 0)
+
+    def kernel_and_tile(self, src: int, dst: int, src_strides) -> tuple[str, tuple[int, int]]:
+        """The kernel a call with these addresses and strides runs, and its (a, c) tile."""
+        if self.uses_pairs(src, dst, src_strides):
+            return "transpose_pairs", (PAIRS_TILE, PAIRS_TILE)
+        return "transpose_pad", (1 << self.log_tile_a, 1 << self.log_tile_c)
 
     def launch_raw(self, src: int, dst: int, src_strides, z_sums: int = 0) -> None:
         z, a, c, dst_a, dst_c, dst_sz, dst_sc = self.static
