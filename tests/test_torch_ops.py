@@ -88,3 +88,51 @@ def test_fake_forward_gives_a_cuda_re_layout_shape(batch, rng):
     else:
         assert saved.shape[0] == 3 * 30 + 1 and saved.shape[1] >= batch
         assert saved.shape[1] % 16 == 0
+
+
+class _KeptCopy:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class CopyKeepingOps(knnconv.ops.torch_compact.TorchCompactOps):
+    """torch_compact keeping its own copy of x for the backward, in tensor form under
+    torch.compile, as the cuda backend keeps its re-layout of x."""
+
+    name = "tensor_copy_keeping"
+
+    def forward_saving(self, plan, x, weight, bias):
+        return self.forward(plan, x, weight, bias), _KeptCopy(x.clone())
+
+    def saved_layout(self, plan, batch, dtype):
+        return (batch, plan.cin, plan.nin)
+
+    def saved_tensor(self, saved_x):
+        return saved_x.tensor
+
+    def saved_input(self, saved, plan, batch):
+        return _KeptCopy(saved)
+
+    def gradients(self, plan, grad_y, x, weight, needs, dtypes):
+        x = x.tensor if isinstance(x, _KeptCopy) else x
+        return super().gradients(plan, grad_y, x, weight, needs, dtypes)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_compiled_layer_keeping_its_relayout_does_not_also_save_its_input(rng, monkeypatch,
+                                                                            keep):
+    ops = CopyKeepingOps()
+    monkeypatch.setitem(knnconv.ops.registry._REGISTRY, ops.name, ops)
+    layer = small_network(ops.name, rng)[0]
+    x = torch.randn(5, 3, 30, generator=rng, dtype=torch.float64)
+    eager = gradients(layer, x)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    with knnconv.keep_input_relayout(keep):
+        for got, expected in zip(gradients(compiled, x), eager, strict=True):
+            assert rel_err(got, expected) < 1e-12
+        saved, leaf = [], x.clone().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: saved.append(t.data_ptr()) or t, lambda t: t):
+            compiled(leaf)
+    # the copy replaces x among what the backward keeps; without it, x itself is kept
+    assert (leaf.data_ptr() in saved) is not keep

@@ -76,13 +76,21 @@ def _(grad_y, x, saved, weight, plan, backend, dtype, need_x, need_w, bias_dtype
 
 def _setup_context(ctx, inputs, output):
     x, weight, bias, plan, backend, dtype, keep = inputs
-    ctx.save_for_backward(x, weight, output[1])
+    saved = output[1]
+    # Where the backend's re-layout of x is kept, the backward needs only x's shape and dtype;
+    # saving x as well would hold both copies from forward to backward.
+    relaid = saved.numel() != 0
+    ctx.save_for_backward(None if relaid else x, weight, saved)
+    ctx.input_meta = (x.shape, x.dtype) if relaid else None
     ctx.plan, ctx.backend, ctx.dtype = plan, backend, dtype
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
 def _backward(ctx, grad_y, _grad_saved):
     x, weight, saved = ctx.saved_tensors
+    if x is None:  # backward_op reads only the metadata of x then: one element, expanded
+        shape, dtype = ctx.input_meta
+        x = saved.new_empty(1, dtype=dtype).expand(shape)
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     grad_x, grad_w, grad_b = backward_op(grad_y, x, saved, weight, ctx.plan, ctx.backend,
                                          ctx.dtype, need_x, need_w,
