@@ -102,6 +102,17 @@ def test_autocast_bfloat16_on_cpu(rng, monkeypatch):
     assert rel_err(bias_leaf.grad, expected[2]) < 1e-6
 
 
+def test_autocast_leaves_float64_alone_as_torch_ops_do(rng):
+    geometry = random_geometry(rng, nin=20, nout=9, k=5, v=6, padding=0.1)
+    plan = geometry.plan(cin=3, cout=4)
+    x, weight, bias, _ = random_inputs(rng, plan, batch=3)  # float64
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = knn_conv(x, weight, bias, plan, "torch_compact")
+        linear = torch.nn.functional.linear(x[:, :, 0], weight[:, :3])
+    assert y.dtype == linear.dtype == torch.float64
+    assert rel_err(y, oracle_knn_conv(x, weight, bias, geometry)) < 1e-13
+
+
 def valid_call(generator):
     geometry = random_geometry(generator, nin=13, nout=7, k=4, v=4)
     plan = geometry.plan(cin=3, cout=5)

@@ -95,6 +95,21 @@ def test_load_conv2d_weights_rejects_wrong_channels(rng, conv):
         layer.load_conv2d_weights(conv)
 
 
+@pytest.mark.parametrize("conv", [nn.Conv2d(6, 6, 3, groups=2), nn.Conv2d(3, 6, 3, dilation=2)],
+                         ids=["grouped", "dilated"])
+def test_load_conv2d_weights_refuses_grouped_and_dilated_convs(rng, conv):
+    # a grouped conv's [6, 3, 3, 3] weight has the shape of a dense 3 -> 6 one
+    layer = make_layer(random_geometry(rng, v=9), 3, 6)
+
+    with pytest.raises(ValueError, match="dense, undilated"):
+        layer.load_conv2d_weights(conv)
+
+
+def test_an_unknown_backend_is_refused_when_the_layer_is_built(rng):
+    with pytest.raises(ValueError, match="unknown backend"):
+        make_layer(random_geometry(rng, v=9), 3, 5, backend="cdua")
+
+
 def test_ref_side_needs_square_v(rng):
     layer = make_layer(random_geometry(rng, k=4, v=8), 3, 5)
 

@@ -2,7 +2,9 @@
 environment (read once; ``enable(None)`` rereads it), or :func:`enable`.
 
 The first ``auto`` call of a cell (device, knnconv and torch versions, compute dtype, batch,
-layer geometry) times one forward and backward of every backend that can serve it, on random
+layer geometry, whether x or its re-layout is kept for the backward) times one training step
+of every backend that can serve it (forward, then the gradients of x, weight and bias, the
+way a call with the current ``set_keep_input_relayout`` setting runs them) on random
 operands of the call's shapes, and keeps the fastest; later calls, and later processes, read
 the choice from a JSON file (``$KNNCONV_CACHE_DIR/autotune.json``, by default
 ``~/.cache/knnconv``). Nothing is timed while a CUDA graph is being captured or under
@@ -127,10 +129,17 @@ def _geometry_digest(plan: KNNConvPlan) -> str:
     return plan.derived("cpu", "autotune.digest", build)
 
 
+def _keeps_relayout() -> bool:
+    from . import functional  # functional -> registry -> this module
+
+    return functional._keep_input_relayout
+
+
 def cell_key(plan: KNNConvPlan, batch: int, device: torch.device, dtype: torch.dtype) -> str:
+    kept = "re-layout of x kept" if _keeps_relayout() else "x kept"
     return (f"{device_description(device)} | knnconv {__version__} | torch {torch.__version__} | "
             f"{dtype} | B={batch} | Cin={plan.cin} Cout={plan.cout} K={plan.k} V={plan.v} "
-            f"Nin={plan.nin} Nout={plan.nout} | {_geometry_digest(plan)}")
+            f"Nin={plan.nin} Nout={plan.nout} | {kept} | {_geometry_digest(plan)}")
 
 
 def candidates(plan: KNNConvPlan, device: torch.device, dtype: torch.dtype) -> list[str]:
@@ -149,21 +158,25 @@ def _capturing(device: torch.device) -> bool:
 
 def step_ms(name: str, plan: KNNConvPlan, batch: int, device: torch.device,
             dtype: torch.dtype) -> float:
-    """Median ms of a forward and backward of backend ``name`` on random operands, after one
+    """Median ms of a training step of backend ``name`` on random operands (through the
+    functions the autograd layer runs, keeping x or its re-layout as a call would), after one
     untimed step (which compiles and checks whatever the backend builds at first use)."""
+    from .functional import backward_impl, forward_impl
+
     ops = get_ops(name)
     generator = torch.Generator().manual_seed(0)
 
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(device, dtype)
 
-    x, weight, bias = normal(batch, plan.cin, plan.nin), normal(plan.cout, plan.q), None
+    x, weight, bias = normal(batch, plan.cin, plan.nin), normal(plan.cout, plan.q), normal(
+        plan.cout)
     grad_y = normal(batch, plan.cout, plan.nout)
-    needs, dtypes = (True, True, False), (dtype, dtype, dtype)
+    keep = _keeps_relayout()
 
     def step() -> None:
-        _, saved = ops.forward_saving(plan, x, weight, bias)
-        ops.gradients(plan, grad_y, saved, weight, needs, dtypes)
+        _, saved = forward_impl(plan, ops, x, weight, bias, dtype, keep_for_backward=keep)
+        backward_impl(plan, ops, grad_y, saved, weight, (True, True, True), (dtype,) * 3, dtype)
 
     with torch.no_grad(), torch.autocast(device.type, enabled=False):
         return time_calls(step, device, warmup=1, repeats=TIMED_STEPS)[0]
@@ -184,7 +197,8 @@ def _measure(names: list[str], plan: KNNConvPlan, batch: int, device: torch.devi
 
 def _memo_key(plan: KNNConvPlan, batch: int, device: torch.device, dtype: torch.dtype,
               deterministic: bool) -> tuple:
-    return plan.handle, batch, device, dtype, deterministic, torch.get_num_threads()
+    return (plan.handle, batch, device, dtype, deterministic, torch.get_num_threads(),
+            _keeps_relayout())
 
 
 def choose(plan: KNNConvPlan, batch: int, device: torch.device,

@@ -310,11 +310,7 @@ def unsupported_reason(backend: str, plan: KNNConvPlan, device: torch.device,
     """Why ``backend`` cannot serve this cell, or None ('auto' always finds a backend)."""
     if backend == "auto":
         return None
-    try:
-        ops = get_ops(backend)
-    except ImportError as exc:  # a native backend whose toolchain is missing here
-        return str(exc)
-    return ops.unsupported_reason(plan, device, dtype)
+    return get_ops(backend).unsupported_reason(plan, device, dtype)
 
 
 def release_memory(device: torch.device) -> None:

@@ -52,8 +52,9 @@ def validate_call(x, weight, bias, plan) -> None:
 
 def compute_dtype(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   autocasting: bool) -> torch.dtype:
-    """The dtype the backend computes in: autocast's when active, else the (common) input dtype."""
-    if autocasting:
+    """The dtype the backend computes in: autocast's when active (for float64 x too, autocast
+    leaves float64 alone, as PyTorch's own ops do), else the (common) input dtype."""
+    if autocasting and x.dtype != torch.float64:
         return torch.get_autocast_dtype(x.device.type)
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and t.dtype != x.dtype:
@@ -71,11 +72,11 @@ def set_keep_input_relayout(enabled: bool) -> bool:
     """Whether a training forward keeps the backend's re-layout of x for the backward.
 
     False (the default): the forward keeps x itself and the cuda backend's backward re-lays
-    it out again, so a layer holds no copy of its input between forward and backward (a
-    training step through fovi's ResNet-18 peaks at 0.87x the anchor's memory,
-    bench/NOTES.md version 24). True: the cuda backend keeps its batch-contiguous copy of x
-    from the forward and the backward skips that re-layout (1-5% faster whole-network steps on
-    an H200, 17-36% more peak memory). The torch backends keep x either way. Returns the
+    it out again, so a layer holds no copy of its input between forward and backward. True:
+    the cuda backend keeps its batch-contiguous copy of x from the forward and the backward
+    skips that re-layout, a few percent faster for noticeably more peak memory (measured on
+    whole networks: README "Memory", bench/NOTES.md versions 24 and 29). The torch backends
+    keep x either way. Returns the
     previous setting. Read at every call; a torch.compile'd graph keeps the setting it was
     traced with.
     """

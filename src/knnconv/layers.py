@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .functional import knn_conv_with_backend
+from .ops.registry import get_ops
 from .plan import make_plan
 
 
@@ -26,6 +27,8 @@ class KNNConv(nn.Module):
         self.plan = make_plan(knn_indices, rf_index, nin=nin, v=v, cin=in_channels,
                               cout=out_channels)
         self.in_channels, self.out_channels = in_channels, out_channels
+        if backend != "auto":
+            get_ops(backend)  # an unknown name fails here, not at the first forward
         self.backend = backend
         self.last_backend: str | None = None
         self.weight = nn.Parameter(torch.empty(out_channels, in_channels * v))
@@ -62,8 +65,13 @@ class KNNConv(nn.Module):
         """Copy a Conv2d's kernel, resampled onto the side×side reference grid.
 
         Grid row i / column j covers the same fraction of the kernel's extent as the conv's
-        rows and columns (cell-centre aligned); row index follows y, column follows x.
+        rows and columns (cell-centre aligned); row index follows y, column follows x. The
+        conv's stride and padding do not carry over (the KNN layout decides where outputs
+        are); grouped or dilated convs are refused.
         """
+        if conv2d.groups != 1 or tuple(conv2d.dilation) != (1, 1):
+            raise ValueError(f"load_conv2d_weights takes a dense, undilated Conv2d; got groups="
+                             f"{conv2d.groups}, dilation={tuple(conv2d.dilation)}")
         w = conv2d.weight
         if w.shape[0] != self.out_channels or w.shape[1] != self.in_channels:
             raise ValueError(

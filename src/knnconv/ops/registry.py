@@ -1,8 +1,9 @@
 """The one interface every backend implements, the registry of backends, and the auto policy.
 
-A backend computes in the dtype it is handed (the autograd layer has already applied autocast)
-and returns gradients in float32 (float64 for float64 inputs): the autograd layer casts them
-to the dtypes of the tensors they belong to, so fp32 master weights get fp32 gradients.
+A backend computes in the dtype it is handed (the autograd layer has already applied autocast).
+Its grad_input, grad_weight and backward_combined return gradients accumulated in float32
+(float64 for float64 inputs); ``gradients`` returns each one in the dtype the autograd layer
+asks for (``dtypes``: those of x, weight and bias), so fp32 master weights get fp32 gradients.
 """
 
 from __future__ import annotations
