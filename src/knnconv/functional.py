@@ -177,7 +177,9 @@ def knn_conv_with_backend(x, weight, bias, plan, backend="auto") -> tuple[torch.
     device_type = x.device.type
     autocasting = device_type != "meta" and torch.is_autocast_enabled(device_type)
     dtype = compute_dtype(x, weight, bias, autocasting)
-    ops = resolve_backend(backend, plan, x.device, dtype, batch=x.shape[0])
+    backward = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weight, bias))
+    ops = resolve_backend(backend, plan, x.device, dtype, batch=x.shape[0], backward=backward)
     if torch.compiler.is_compiling():
         from .torch_ops import knn_conv_op
 

@@ -28,9 +28,11 @@ class KNNConvOps:
     # float32), sparing the autograd layer a cast under autocast.
     float32_bias: bool = False
 
-    def unsupported_reason(self, plan: KNNConvPlan, device: torch.device,
-                           dtype: torch.dtype) -> str | None:
-        """Why this backend cannot compute this plan on ``device`` in ``dtype`` (None if it can)."""
+    def unsupported_reason(self, plan: KNNConvPlan, device: torch.device, dtype: torch.dtype,
+                           *, backward: bool = True) -> str | None:
+        """Why this backend cannot compute this plan on ``device`` in ``dtype`` (None if it can);
+        ``backward``: whether the call's gradients will be computed (a forward-only call is
+        not refused for what only the backward does)."""
         return None
 
     def forward(self, plan: KNNConvPlan, x: torch.Tensor, weight: torch.Tensor,
@@ -175,13 +177,14 @@ def torch_policy(plan: KNNConvPlan, device: torch.device, batch) -> str:
 
 
 def resolve_backend(name: str, plan: KNNConvPlan, device: torch.device, dtype: torch.dtype,
-                    batch: int | None = None) -> KNNConvOps:
+                    batch: int | None = None, *, backward: bool = True) -> KNNConvOps:
     """The backend that will serve a call: ``name`` itself, or the auto policy's choice.
 
     An explicitly named backend that cannot serve the call raises; it never falls back.
     Auto takes the measured choice for the call's cell when autotuning is on (see
     knnconv.autotune; ``batch`` is needed for it), else picks the native CUDA backend for
-    CUDA tensors it supports, else the torch backend of :func:`torch_policy`.
+    CUDA tensors it supports, else the torch backend of :func:`torch_policy`. ``backward``:
+    whether the call's gradients will be computed (see KNNConvOps.unsupported_reason).
     """
     if name == "auto":
         if batch is not None:
@@ -190,11 +193,11 @@ def resolve_backend(name: str, plan: KNNConvPlan, device: torch.device, dtype: t
                 return get_ops(tuned)
         if device.type == "cuda" and "cuda" in available_backends():
             cuda_ops = get_ops("cuda")
-            if cuda_ops.unsupported_reason(plan, device, dtype) is None:
+            if cuda_ops.unsupported_reason(plan, device, dtype, backward=backward) is None:
                 return cuda_ops
         return get_ops(torch_policy(plan, device, batch))
     ops = get_ops(name)
-    reason = ops.unsupported_reason(plan, device, dtype)
+    reason = ops.unsupported_reason(plan, device, dtype, backward=backward)
     if reason is not None:
         raise ValueError(f"backend {name!r} cannot run this call: {reason}")
     return ops

@@ -249,7 +249,13 @@ def test_deterministic_mode_refuses_cuda_and_auto_gives_identical_gradients(monk
     torch.use_deterministic_algorithms(True)
     try:
         with pytest.raises(ValueError, match="torch_compact"):
-            knnconv.knn_conv(x, weight, bias, plan, backend="cuda")
+            knnconv.knn_conv(x, weight.clone().requires_grad_(), bias, plan, backend="cuda")
+        # a forward that no backward follows has no atomics: cuda serves it, run after run
+        with torch.no_grad():
+            outputs = [knnconv.knn_conv_with_backend(x, weight, bias, plan, backend="auto")
+                       for _ in range(2)]
+        assert [ran for _, ran in outputs] == ["cuda", "cuda"]
+        assert torch.equal(outputs[0][0], outputs[1][0])
         runs = []
         for _ in range(2):
             leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]

@@ -176,6 +176,9 @@ def test_determinism_rules():
     try:
         with pytest.raises(ValueError, match="backend='torch'"):
             layer(x)
+        with torch.no_grad():  # no weight gradient, no atomics: the native kernels serve it
+            layer(x)
+        assert layer.last_backend == "cuda"
         layer.backend = "auto"
         layer(x)
         assert layer.last_backend == "torch"

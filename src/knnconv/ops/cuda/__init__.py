@@ -148,12 +148,13 @@ class CudaOps(KNNConvOps):
         index = device.index if device.index is not None else torch.cuda.current_device()
         return self.device_reason(index)
 
-    def unsupported_reason(self, plan: KNNConvPlan, device: torch.device,
-                           dtype: torch.dtype) -> str | None:
+    def unsupported_reason(self, plan: KNNConvPlan, device: torch.device, dtype: torch.dtype,
+                           *, backward: bool = True) -> str | None:
         if device.type == "cuda" and dtype not in COMPUTE_DTYPES:
             return (f"computes in float16/bfloat16, got {dtype} (use torch.autocast, or "
                     "backend='torch_compact' / 'auto' for float32)")
-        return self.call_reason(device, atomics=True, alternative="torch_compact")
+        # the forward writes each output once; only the backward accumulates with atomics
+        return self.call_reason(device, atomics=backward, alternative="torch_compact")
 
     def _first_use(self, key: tuple) -> bool:
         if key in self._verified:
