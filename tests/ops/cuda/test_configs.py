@@ -9,6 +9,7 @@ from knnconv.ops.cuda.configs import (
     KernelConfig,
     _choose,
     _rules,
+    check_config,
     default_config,
     default_grad_input_config,
     default_grad_weight_config,
@@ -65,3 +66,10 @@ def test_a_rule_with_min_ctas_is_taken_only_when_its_grid_has_them(family, n, no
         if (batch <= earlier.get("max_batch", batch) and n <= earlier.get("max_n", n)
                 and n % earlier.get("n_multiple_of", 1) == 0):
             assert nodes * -(-n // config.bn) * -(-batch // config.tile_m) < earlier["min_ctas"]
+
+
+@pytest.mark.parametrize("bk,p64", [(128, 64), (48, 64), (128, 192)])
+def test_a_forward_whose_slot_step_does_not_divide_p64_is_refused(bk, p64):
+    # the kernel runs P64 / bk whole steps: 128 on 64 slots would compute nothing
+    with pytest.raises(ValueError, match="must divide P64"):
+        check_config("forward", KernelConfig(64, 64, bk, 1, 2, 2, 2, True, 8), p64=p64)

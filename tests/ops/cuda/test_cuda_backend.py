@@ -225,6 +225,32 @@ def test_every_config_matches_reference(dtype, family):
         check_all_entries(*case, algorithm=algorithm, **{chosen: cfg})
 
 
+def test_a_strided_or_expanded_bias_is_read_as_its_values():
+    plan, x, weight, bias, _ = make_case(5, batch=20, cin=8, cout=24, dtype=torch.float16,
+                                         nin=30, nout=12, k=9, padding=0.1)
+    tables = plan.on(DEVICE)
+    strided = torch.stack([bias, -bias], dim=1)[:, 0]  # stride 2
+    expanded = bias[:1].expand(plan.cout)  # stride 0
+    for odd_bias in (strided, expanded, strided.float()):
+        y = knn_cuda.forward(x, weight, odd_bias, tables.input_linear, tables.weight_linear,
+                             poison_output=True)
+        expected = reference(plan, x, weight, odd_bias.to(x.dtype), x.new_zeros(
+            x.shape[0], plan.cout, plan.nout))[0]
+        assert rel_err(y, expected) < FORWARD_TOLERANCE[x.dtype]
+
+
+def test_the_weight_gradient_refuses_an_x_it_would_misread():
+    plan, x, _, _, grad_y = make_case(6, batch=20, cin=8, cout=24, dtype=torch.float16,
+                                      nin=30, nout=12, k=9)
+    tables = plan.on(DEVICE)
+    with pytest.raises(TypeError, match="x has dtype"):
+        knn_cuda.grad_weight(grad_y, x.float(), tables.input_linear, tables.weight_linear,
+                             plan.q)
+    with pytest.raises(ValueError, match="x has sizes"):
+        knn_cuda.backward(grad_y, x[:10], None, tables.input_linear, tables.weight_linear,
+                          None, plan.cin, plan.nin, plan.q, need_input=False)
+
+
 @pytest.mark.parametrize("ksplit", (1, 2, 3, 100))
 def test_grad_weight_split_k_matches_reference(ksplit):
     check_all_entries(*make_case(ksplit, batch=200, cin=8, cout=64, dtype=torch.float16, nin=30,

@@ -46,6 +46,10 @@ def test_a_scattered_dx_is_summed_in_float32_whatever_its_dtype(plans):
 
 def test_only_the_needed_kernels_are_verified(plans):
     assert set(plans("gather", 40, torch.float16).kernel_keys) == {"input", "weight"}
+    with_bias = launch.BackwardLaunch(
+        batch=17, cin=40, nin=70, cout=65, nout=31, q=360, p64=384, dtype=torch.float16,
+        device=torch.device("cuda", 0), need_bias=True)
+    assert set(with_bias.kernel_keys) == {"input", "weight", "bias"}
     only_input = plans("gather", 40, torch.float16, need_weight=False)
     assert set(only_input.kernel_keys) == {"input"}
     family, dtype, _, device, stored = only_input.kernel_keys["input"]
@@ -92,3 +96,38 @@ def test_a_relayout_reports_the_kernel_and_tile_each_call_takes(plans):
     # an address off the pair boundary, or an odd source stride, takes single elements
     assert relayout.kernel_and_tile(2, 0, (0, 256, 1)) == ("transpose_pad", pad_tile)
     assert relayout.kernel_and_tile(0, 0, (0, 255, 1)) == ("transpose_pad", pad_tile)
+
+
+def test_relayout_grids_stay_within_cuda_limits(plans):
+    # the scatter path's dx restore of Cin 15 x Nin 300,001 rows: 140,626 row tiles of 32,
+    # launched as at most 65,535 CTA rows that loop over the rest
+    rows = 15 * 300_001
+    relayout = launch._Transpose(torch.float32, torch.float16, 0, (1, rows, 17), (1, rows, 17),
+                                 (0, rows))
+    assert -(-rows // (1 << relayout.log_tile_a)) > launch.MAX_GRID_YZ
+    assert relayout.grid[1] == launch.MAX_GRID_YZ
+    even = launch._Transpose(torch.float32, torch.float16, 0, (1, rows + 1, 64),
+                             (1, rows + 1, 64), (0, rows + 1))
+    assert even.pairs_grid[1] <= launch.MAX_GRID_YZ
+    with pytest.raises(ValueError, match="grid limit"):
+        launch._Transpose(torch.float16, torch.float16, 0, (70_000, 8, 8), (70_000, 8, 8),
+                          (64, 8))
+
+
+@pytest.mark.parametrize("need_input", [False, True])
+@pytest.mark.parametrize("batch,nin", [(150, 40), (130, 8)])
+def test_a_backward_handed_a_kept_relayout_pads_the_batch_as_it_is_padded(plans, batch, nin,
+                                                                          need_input):
+    # alone, a weight-only backward at B = 150 pads to 160 and the forward to 256; handed the
+    # forward's padding it lays x out exactly as the kept re-layout is, so it takes it as is
+    sizes = {"batch": batch, "cin": 128, "nin": nin, "cout": 64, "nout": 16, "q": 128 * 9,
+             "p64": 1152, "dtype": torch.float16, "device": torch.device("cuda", 0)}
+    forward = launch.ForwardLaunch(**sizes)
+    alone = launch.BackwardLaunch(**sizes, need_input=need_input)
+    handed = launch.BackwardLaunch(**sizes, need_input=need_input, batch_padding=forward.bpad)
+    assert alone.bpad != forward.bpad or (batch, need_input) != (150, False)
+    assert handed.bpad == forward.bpad
+    assert handed.input_layout.shape == forward.input_layout.shape
+    # a padding the tiles cannot take is not used
+    odd = launch.BackwardLaunch(**sizes, need_input=need_input, batch_padding=forward.bpad + 1)
+    assert odd.bpad == alone.bpad

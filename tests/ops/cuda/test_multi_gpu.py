@@ -62,7 +62,8 @@ def test_one_layer_on_two_devices_from_one_process_interleaved():
     twin = copy.deepcopy(layer).to(SECOND)
     generator = torch.Generator().manual_seed(2)
     torch.cuda.set_device(FIRST)  # the second device's calls run while cuda:0 is current
-    for batch in (17, 64, 17):
+    # B = 129 takes tiles of more than 48 KiB of shared memory, an attribute set per device
+    for batch in (17, 64, 129, 17):
         x = torch.randn(batch, 12, 90, generator=generator).half()
         for module, device in ((layer, FIRST), (twin, SECOND)):
             assert_step_matches_reference(module, x.to(device))

@@ -121,10 +121,10 @@ class CudaOps(KNNConvOps):
     def device_reason(self, index: int) -> str | None:
         """Why the kernels cannot run on device ``index`` (CuPy, headers, NVRTC, capability)."""
         if index not in self._device_reasons:
-            reason = None
-            try:
+            try:  # the NVRTC / driver mismatch first: it blocks whatever the headers
                 reason = nvrtc_mismatch(import_cupy())
-                cuda_include_dir()
+                if reason is None:
+                    cuda_include_dir()
             except (ImportError, RuntimeError) as exc:
                 reason = str(exc)
             capability = torch.cuda.get_device_capability(index)
@@ -191,7 +191,11 @@ class CudaOps(KNNConvOps):
         launch = self._launch_plan(plan, device, ("forward", batch, x.dtype), lambda: ForwardLaunch(
             batch=batch, cin=plan.cin, nin=plan.nin, cout=plan.cout, nout=plan.nout, q=plan.q,
             p64=plan.p64, dtype=x.dtype, device=device))
-        key = ("forward", x.dtype, launch.cfg, device)
+        # one check per kernel and per path it takes at run time: walking nodes or not,
+        # 16-byte stores (Cout % 8 == 0) or element stores, the bias read as fp32, as x's
+        # dtype, or absent
+        key = ("forward", x.dtype, launch.cfg, device, launch.nodes_per_cta > 1,
+               plan.cout % 8 == 0, None if bias is None else bias.dtype == torch.float32)
         first = self._first_use(key)
         tables = plan.on(device)
         y, saved = launch.run(x, weight, bias, tables.input_linear, tables.weight_linear,
@@ -217,17 +221,20 @@ class CudaOps(KNNConvOps):
         device, batch = grad_y.device, grad_y.shape[0]
         need_input, need_weight, need_bias = needs
         grad_dtypes = tuple(torch.float32 if d is None else d for d in dtypes)
+        # a kept re-layout of x is reused only if the backward pads the batch as it is padded
+        padding = x.bpad if isinstance(x, TransposedInput) else None
         launch = self._launch_plan(
-            plan, device, ("backward", batch, grad_y.dtype, needs, grad_dtypes),
+            plan, device, ("backward", batch, grad_y.dtype, needs, grad_dtypes, padding),
             lambda: BackwardLaunch(batch=batch, cin=plan.cin, nin=plan.nin, cout=plan.cout,
                                    nout=plan.nout, q=plan.q, p64=plan.p64, dtype=grad_y.dtype,
                                    device=device, need_input=need_input,
                                    need_weight=need_weight, need_bias=need_bias,
-                                   grad_dtypes=grad_dtypes))
+                                   grad_dtypes=grad_dtypes, batch_padding=padding))
         keys = launch.kernel_keys
         first = {role for role, key in keys.items() if self._first_use(key)}
         tables = plan.on(device)
-        reverse = self.reverse(plan, device) if launch.algorithm == "gather" else None
+        gathers = need_input and launch.algorithm == "gather"
+        reverse = self.reverse(plan, device) if gathers else None
         grads = launch.run(grad_y, x, weight, tables.input_linear, tables.weight_linear, reverse)
         if "input" in first:
             self._canary(keys["input"], grads[0], self._oracle.grad_input(plan, grad_y, weight))
@@ -235,6 +242,8 @@ class CudaOps(KNNConvOps):
             original = x.original() if isinstance(x, TransposedInput) else x
             self._canary(keys["weight"], grads[1],
                          self._oracle.grad_weight(plan, grad_y, original))
+        if "bias" in first:
+            self._canary(keys["bias"], grads[2], grad_y.double().sum(dim=(0, 2)))
         return grads
 
     def grad_input(self, plan, grad_y, weight):

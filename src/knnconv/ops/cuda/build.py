@@ -118,9 +118,9 @@ _lock = threading.Lock()
 class CompiledKernel:
     """One kernel loaded on one device: CuPy's RawKernel and its CUfunction handle."""
 
-    def __init__(self, raw) -> None:
-        self.raw = raw
-        self.ptr = raw.kernel.ptr
+    def __init__(self, raw, device_index: int) -> None:
+        self.raw, self.device_index = raw, device_index
+        self.ptr = raw.kernel.ptr  # the caller has made the kernel's device current
         self.dynamic_shared_limit = 48 * 1024
         self._launch_kernel = import_cupy().cuda.driver.launchKernel
 
@@ -131,7 +131,9 @@ class CompiledKernel:
     def allow_shared_memory(self, size: int) -> None:
         """Raise the kernel's dynamic shared-memory limit (needed past 48 KiB), once."""
         if size > self.dynamic_shared_limit:
-            self.raw.max_dynamic_shared_size_bytes = size
+            # CuPy sets the attribute on its function for the current device: make it ours
+            with import_cupy().cuda.Device(self.device_index):
+                self.raw.max_dynamic_shared_size_bytes = size
             self.dynamic_shared_limit = size
 
 
@@ -177,7 +179,7 @@ def get_kernel(name: str, device_index: int) -> CompiledKernel:
             with cupy.cuda.Device(device_index):
                 module = cupy.RawModule(code=kernel_code(), options=nvrtc_options(),
                                         name_expressions=[name])
-                function = CompiledKernel(module.get_function(name))
+                function = CompiledKernel(module.get_function(name), device_index)
             _modules[key] = function
     return function
 

@@ -93,7 +93,9 @@ def check_config(family: str, cfg: KernelConfig, *, p64: int | None = None,
         problems.append("ksteps (pipeline stages) must be >= 2")
     if cfg.threads > 1024:
         problems.append("wm*wn*32 threads must not exceed 1024")
-    slot_tile = {"grad_weight": cfg.tile_m, "grad_input_scatter": cfg.bn}.get(family)
+    # the forward steps through a node's slots bk at a time (a partial step would be dropped)
+    slot_tile = {"forward": cfg.bk, "grad_weight": cfg.tile_m,
+                 "grad_input_scatter": cfg.bn}.get(family)
     if slot_tile is not None and p64 is not None and p64 % slot_tile:
         problems.append(f"the slot tile ({slot_tile}) must divide P64 ({p64})")
     if not problems and shared_memory_bytes(family, cfg) > max_shared_bytes:
@@ -155,7 +157,9 @@ def default_grad_input_scatter_config(batch) -> KernelConfig:
 
 
 def default_grad_weight_config(batch, cout, p64) -> KernelConfig:
-    """grad_weight geometry: slot tile 128 where P64 allows, Cout tile 128 for wide layers."""
+    """grad_weight geometry (tiles.json): for Cout <= 64, 192 slots x 64 at B >= 1024 where
+    P64 allows (three-channel first layers), else 64 x 64; wider layers take 128 slots where
+    P64 allows (else 64) and a Cout tile of 256 where Cout is a multiple of it, else 128."""
     return _choose("grad_weight", batch, cout, p64)
 
 

@@ -48,6 +48,7 @@ PAIRS_TILE = 64  # kPairsTile in knn_common.cuh
 # and only problems wide in both extents (the square tile) take transpose_pairs.
 SQUARE_TILE_LOG2 = 5
 MAX_KERNEL_ARGS = 16
+MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 
 
 class _ThreadLaunchState(threading.local):
@@ -159,6 +160,9 @@ class _Transpose:
                  dst_strides, *, sums_z: bool = False) -> None:
         """sums_z: the calls pass z_sums; few CTAs along a then share each z's atomics."""
         dst_z, dst_a, dst_c = dst_extents
+        if dst_z > MAX_GRID_YZ:  # one z per CTA layer; the kernels loop over a, not z
+            raise ValueError(f"a re-layout of {dst_z} matrices exceeds CUDA's grid limit "
+                             f"({MAX_GRID_YZ}); split the batch")
         self.kernel = get_kernel(transpose_name(src_dtype, dst_dtype), device_index)
         self.device_index = device_index
         log_a, log_c = transpose_tile_log2(dst_a, dst_c)
@@ -179,7 +183,7 @@ class _Transpose:
         if sums_z:
             wanted = SUMMING_CTAS_PER_SM * _multiprocessors(self.device_index)
             a_tiles = min(a_tiles, -(-wanted // (c_tiles * dst_z)))
-        return c_tiles, a_tiles, dst_z
+        return c_tiles, min(a_tiles, MAX_GRID_YZ), dst_z  # CTAs loop over a with gridDim.y
 
     def __call__(self, src: torch.Tensor, dst: int, src_strides, z_sums: int = 0) -> None:
         """dst and z_sums are device addresses (z_sums: float32 [z], 0 for none)."""
@@ -351,10 +355,15 @@ def _nodes_per_cta(requested: int | None, cfg: KernelConfig, k_tiles: int, ctas_
     return requested
 
 
+def _batch_multiple(*configs: tuple[str, KernelConfig]) -> int:
+    """What the padded batch must be a multiple of: every given (family, config)'s batch tile."""
+    return math.lcm(*(cfg.bk if family == "grad_weight" else cfg.tile_m
+                      for family, cfg in configs))
+
+
 def padded_batch(batch: int, *configs: tuple[str, KernelConfig]) -> int:
     """The batch padded so every given (family, config)'s batch tile divides it."""
-    return _round_up(batch, math.lcm(*(cfg.bk if family == "grad_weight" else cfg.tile_m
-                                       for family, cfg in configs)))
+    return _round_up(batch, _batch_multiple(*configs))
 
 
 def _default_backward_tiles(batch: int, cin: int, nin: int, cout: int, p64: int):
@@ -415,6 +424,8 @@ class ForwardLaunch:
              else torch.empty(shape, dtype=dtype, device=x.device))
         if bias is not None and bias.dtype not in (dtype, torch.float32):
             bias = bias.to(torch.float32)
+        if bias is not None and not bias.is_contiguous():  # the kernel reads bias[o]
+            bias = bias.contiguous()
         self.gemm(saved.xt.data_ptr(), wt, input_linear.data_ptr(), weight_linear.data_ptr(), 0,
                   _pointer(bias), int(bias is not None and bias.dtype == torch.float32),
                   y.data_ptr(), self.batch, self.bpad, self.cout, self.cpad, self.nout, self.p64,
@@ -441,7 +452,10 @@ class BackwardLaunch:
                  input_config: KernelConfig | None = None,
                  weight_config: KernelConfig | None = None, ksplit: int | None = None,
                  nodes_per_cta: int | None = None,
-                 grad_dtypes=(torch.float32, torch.float32, torch.float32)) -> None:
+                 grad_dtypes=(torch.float32, torch.float32, torch.float32),
+                 batch_padding: int | None = None) -> None:
+        """batch_padding: the padded batch to use where the tiles allow it (that of a
+        forward's kept re-layout of x, so the backward reuses it), else the smallest."""
         index = device.index
         algorithm = algorithm or default_grad_input_algorithm(cin)
         if algorithm not in ("gather", "scatter"):
@@ -456,7 +470,10 @@ class BackwardLaunch:
                           max_shared_bytes=limit)
         needed = [pair for pair, wanted in (((input_family, gi), need_input),
                                             (("grad_weight", gw), need_weight)) if wanted]
-        self.bpad = bpad = padded_batch(batch, *needed)
+        multiple = _batch_multiple(*needed)
+        fits = batch_padding is not None and batch_padding >= batch and (
+            batch_padding % multiple == 0)
+        self.bpad = bpad = batch_padding if fits else _round_up(batch, multiple)
         self.gpad = gpad = _round_up(cout, math.lcm(*(
             cfg.bn if family == "grad_weight" else cfg.bk for family, cfg in needed)))
         self.algorithm, self.need_input, self.need_weight = algorithm, need_input, need_weight
@@ -477,13 +494,15 @@ class BackwardLaunch:
         gathered = need_input and algorithm == "gather"
         self.staging_dtype = (dtype if gathered and grad_dtypes[0] == dtype
                               else torch.float32)
-        # Per needed role, what names its GEMM kernel (family, dtypes read and stored, tile
-        # config) on this device: CudaOps verifies each kernel on its first use.
+        # Per needed gradient, what names the kernel computing it (family, dtypes read and
+        # stored, tile config; the bias gradient is summed by grad_y's re-layout) on this
+        # device: CudaOps verifies each on its first use.
         self.kernel_keys = {
             role: (family, dtype, cfg, device, stored)
             for role, family, cfg, stored, needed in (
                 ("input", input_family, gi, self.staging_dtype, need_input),
-                ("weight", "grad_weight", gw, torch.float32, need_weight)) if needed}
+                ("weight", "grad_weight", gw, torch.float32, need_weight),
+                ("bias", "grad_bias", None, grad_dtypes[2], need_bias)) if needed}
         if gathered:
             self.cinpad = _round_up(cin, gi.bn)
             self.weight_at = carve.add((q // cin) * gpad * self.cinpad * item)
@@ -586,7 +605,7 @@ def _check_operands(name: str, *tensors: torch.Tensor) -> None:
             raise ValueError(f"{name}: all tensors must be on {device}, got one on {t.device}")
 
 
-def _check_tables(input_linear: torch.Tensor, weight_linear: torch.Tensor,
+def _check_kernel_tables(input_linear: torch.Tensor, weight_linear: torch.Tensor,
                   device: torch.device) -> None:
     for name, table in (("input_linear", input_linear), ("weight_linear", weight_linear)):
         if table.dtype != torch.int32 or table.dim() != 2 or not table.is_contiguous():
@@ -610,7 +629,7 @@ def forward(x, weight, bias, input_linear, weight_linear, config=None, *, poison
     the backward. nodes_per_cta: how many nodes one CTA walks (None: heuristic).
     """
     _check_operands("forward", x, weight, *(() if bias is None else (bias,)))
-    _check_tables(input_linear, weight_linear, x.device)
+    _check_kernel_tables(input_linear, weight_linear, x.device)
     batch, cin, nin = x.shape
     nout, p64 = input_linear.shape
     launch = ForwardLaunch(batch=batch, cin=cin, nin=nin, cout=weight.shape[0], nout=nout,
@@ -628,8 +647,17 @@ def backward(grad_y, x, weight, input_linear, weight_linear, reverse, cin, nin, 
     :class:`BackwardLaunch`). x: [B, Cin, Nin] or the forward's TransposedInput.
     nodes_per_cta: how many nodes one CTA of the scatter kernel walks (None: heuristic)."""
     _check_operands("backward", *((grad_y, weight) if need_input else (grad_y,)))
-    _check_tables(input_linear, weight_linear, grad_y.device)
+    _check_kernel_tables(input_linear, weight_linear, grad_y.device)
     batch, cout, nout = grad_y.shape
+    if need_weight:  # x is re-laid out as grad_y's dtype, byte for byte
+        xt = x.xt if isinstance(x, TransposedInput) else x
+        sizes = (x.batch, x.cin, x.nin) if isinstance(x, TransposedInput) else tuple(x.shape)
+        if xt.dtype != grad_y.dtype:
+            raise TypeError(f"backward: x has dtype {xt.dtype}, grad_y {grad_y.dtype}")
+        _check_operands("backward", grad_y, xt)
+        if sizes != (batch, cin, nin):
+            raise ValueError(f"backward: x has sizes {sizes}, expected [B, Cin, Nin] = "
+                             f"{(batch, cin, nin)}")
     q = weight.shape[1] if need_input else q
     launch = BackwardLaunch(batch=batch, cin=cin, nin=nin, cout=cout, nout=nout, q=q,
                             p64=input_linear.shape[1], dtype=grad_y.dtype, device=grad_y.device,

@@ -11,19 +11,18 @@ from __future__ import annotations
 import torch
 
 from .build import get_kernel, neighbourhood_name
-from .launch import ReverseTables, _launch, _pointer
+from .launch import MAX_GRID_YZ, ReverseTables, _launch, _pointer
 
 POOL_MODE_CODES = {"max": 0, "avg": 1, "sum": 2}
 NATIVE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 THREADS = 256
-MAX_GRID_Y = 65535
 
 
 def _run(name: str, device: torch.device, extent: int, rows: int, args: tuple, *,
          shared: int = 0, grid=None) -> None:
     if rows == 0 or extent == 0:
         return
-    grid = grid or (-(-extent // THREADS), min(rows, MAX_GRID_Y), 1)
+    grid = grid or (-(-extent // THREADS), min(rows, MAX_GRID_YZ), 1)
     _launch(get_kernel(name, device.index), device.index, grid, (THREADS, 1, 1), shared, args)
 
 

@@ -1,12 +1,13 @@
-// KNN-convolution kernels: one output node per CTA column, gathered operand tiles,
-// tensor-core (wmma) products with fp32 accumulation.
+// KNN-convolution kernels: each CTA column serves one output node (the forward and the
+// scatter walk a few nodes per CTA where a node has few contraction tiles), gathered operand
+// tiles, tensor-core (wmma) products with fp32 accumulation.
 //
-// Layouts (built by launch.py with transpose_pad; every padded extent is a multiple of the
-// tiles using it):
+// Layouts (built by launch.py with transpose_pad / transpose_pairs; every padded extent is a
+// multiple of the tiles using it; cpad pads Cout for the forward, gpad for the backward):
 //   xt [Cin*Nin + 1, bpad]   x transposed; row Cin*Nin is zeros (the padding neighbour)
-//   wt [Cin*V, cpad]         weight transposed, columns past Cout are zeros
-//   gt [Nout, cpad, bpad]    grad_y with the batch contiguous, rows past Cout are zeros
-//   wr [V, cpad, cinpad]     weight by cell: wr[v, o, c] = W[o, c*V + v]
+//   wt [Cin*V, cpad|gpad]    weight transposed, columns past Cout are zeros
+//   gt [Nout, gpad, bpad]    grad_y with the batch contiguous, rows past Cout are zeros
+//   wr [V, gpad, cinpad]     weight by cell: wr[v, o, c] = W[o, c*V + v]
 // input_linear / weight_linear [Nout, P64] pick, for slot p of node n, the xt row and wt row.
 // Each gathered row is contiguous along the axis that is not gathered, so every tile is
 // staged as whole 16-byte chunks.
