@@ -307,3 +307,12 @@ def test_sensor_is_denser_at_the_centre_than_the_periphery():
     annulus_count = ((radii >= inner) & (radii < outer)).sum().item()
 
     assert centre_count > 2 * annulus_count > 0
+
+
+@pytest.mark.parametrize("resolution", [1, 2, 3, 5, 8, 13])
+def test_foveated_stack_levels_never_grow_even_for_tiny_sensors(resolution):
+    sizes = [len(points) for points in foveated_stack(resolution, levels=4)]
+    assert sizes[0] >= math.pi / 4 * resolution**2
+    assert all(later <= earlier for earlier, later in zip(sizes, sizes[1:], strict=False))
+    if resolution == 1:
+        assert sizes == [1, 1, 1, 1]

@@ -122,7 +122,8 @@ def foveated_stack(resolution=64, a=0.5, levels=5):
     of the disc inscribed in a ``resolution x resolution`` image, so the sensor has as
     many samples as the image it replaces. Each next level is a stride-2 layout of the
     previous one: level ``l`` has ``round(intervals_0 / 2 ** l)`` ring intervals (at least
-    one) between the centre and the edge, hence about 4x fewer points per level.
+    one, unless the sensor itself is a single point) between the centre and the edge, hence
+    about 4x fewer points per level and never more than the level before.
 
     With the defaults the sizes are 3321, 846, 244, 67, 14 points (39, 20, 11, 6, 3 rings).
 
@@ -144,8 +145,10 @@ def foveated_stack(resolution=64, a=0.5, levels=5):
     # Rounding from the sensor's interval count, not level to level, keeps rounding errors
     # from compounding down the stack.
     sensor_intervals = n_rings - 1
+    fewest = min(1, sensor_intervals)
     return [
-        foveated_coords(1 + max(1, round(sensor_intervals / 2**level)), a=a, fov_radius=1.0)
+        foveated_coords(1 + max(fewest, round(sensor_intervals / 2**level)), a=a,
+                        fov_radius=1.0)
         for level in range(levels)
     ]
 
