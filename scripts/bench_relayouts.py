@@ -5,20 +5,21 @@ re-layouts' share of the copy ceiling.
 
     python scripts/bench_relayouts.py OUT.json
 
-Each figure is the median over 5 rounds of (CUDA-event time of 20 back-to-back calls) / 20, so
-the GPU queue stays full and host launch cost does not count. With KNNCONV_NCU=1 each
+Each figure is the median over 5 replays of 20 calls captured as one CUDA graph, divided by
+20, so host launch cost does not count. With KNNCONV_NCU=1 each
 re-layout runs once (a target for Nsight Compute: `ncu -k regex:transpose -c 6`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-import statistics
 import sys
 
 import torch
 
+from knnconv.bench import graph_replay_ms
 from knnconv.ops.cuda.launch import _Transpose
 
 DEVICE = torch.device("cuda")
@@ -29,20 +30,14 @@ ONCE = bool(os.environ.get("KNNCONV_NCU"))
 
 
 def gpu_ms(call, calls: int = 20, rounds: int = 5) -> float:
+    """GPU ms per call: 20 calls captured as one CUDA graph, the median of replays / 20 (a
+    replay issues no host launches, so small re-layouts are not timed at the launch rate)."""
     if ONCE:
-        calls, rounds = 1, 1
-    for _ in range(0 if ONCE else 3):
         call()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            call()
-        end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+        return math.nan
+    return graph_replay_ms(lambda: [call() for _ in range(calls)], DEVICE, warmup=2,
+                           repeats=rounds)[0] / calls
 
 
 def case(name, src, src_strides, src_extents, dst_extents, dst_strides, dst_dtype, torch_copy,

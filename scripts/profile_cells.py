@@ -30,7 +30,8 @@ def profile_cell(layer, batch: int) -> None:
     inputs = random_inputs(plan, batch, torch.float16, device)
     x, weight, bias, grad = inputs.x, inputs.weight, inputs.bias, inputs.grad_y
 
-    def step():
+    def step():  # gradients cleared first, as a training step's zero_grad does
+        inputs.clear_grads()
         y = knnconv.knn_conv(x, weight, bias, plan, "cuda")
         y.backward(grad)
 

@@ -190,3 +190,21 @@ def test_model_mode_times_a_whole_network(tmp_path):
     assert [(r["backend"], r["batch"], r["status"]) for r in rows] == [("torch_compact", 3, "ok")]
     assert rows[0]["images_per_s"] == pytest.approx(3 / rows[0]["median_ms"] * 1e3)
     assert rows[0]["backend_ran"] == "torch,torch_compact"  # pooling layers, KNN convolutions
+
+
+def test_summary_keeps_dtypes_apart_and_compares_backends_on_the_cells_all_completed():
+    def row(layer, dtype, backend, status="ok", pct=10.0, speedup=2.0):
+        return {"layer": layer, "batch": 8, "dtype": dtype, "backend": backend, "mode": "train",
+                "status": status, "pct_of_floor": pct, "speedup_vs_anchor": speedup}
+
+    rows = [row("a", "float16", "cuda", pct=40.0), row("a", "float16", "torch_compact"),
+            row("b", "float16", "cuda", pct=4.0), row("b", "float16", "torch_compact", "oom",
+                                                       None, None),
+            row("a", "bfloat16", "cuda", pct=20.0)]
+    summary = bench.summarize(rows)
+    pct = {(e["dtype"], e["backend"]): (round(e["geomean"], 9), e["cells"])
+           for e in summary["pct_of_floor_geomean"]}
+    # cell b is left out for float16: torch_compact did not complete it
+    assert pct == {("float16", "cuda"): (40.0, 1), ("float16", "torch_compact"): (10.0, 1),
+                   ("bfloat16", "cuda"): (20.0, 1)}
+    assert summary["statuses"] == {"ok": 4, "oom": 1}

@@ -212,16 +212,21 @@ def time_calls(call: Callable[[], Any], device: torch.device, *, warmup: int, re
 
 
 def graph_replay_ms(step: Callable[[], Any], device: torch.device, *, warmup: int,
-                    repeats: int) -> tuple[float, Any]:
+                    repeats: int, reset: Callable[[], None] | None = None) -> tuple[float, Any]:
     """Median ms of replaying ``step`` captured as a CUDA graph, and the result of an eager
-    warm-up call. The warm-up runs on a side stream (as torch.cuda.graphs asks) and leaves the
-    gradients allocated, so the captured step accumulates into them in place."""
+    warm-up call. The warm-up runs on a side stream (as torch.cuda.graphs asks); ``reset``
+    runs before capture (clearing gradients, so the captured step writes them as a step after
+    zero_grad does, where leaving them allocated would capture an accumulation into them)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(max(2, warmup)):
+            if reset is not None:
+                reset()
             result = step()
     torch.cuda.current_stream(device).wait_stream(side)
+    if reset is not None:
+        reset()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
@@ -277,6 +282,16 @@ def forward_floor_ms(plan, batch: int, ceilings: dict[str, Any]) -> float | None
     elements += batch * plan.cout * plan.nout
     nbytes = FLOOR_ELEMENT_BYTES * elements + 2 * TABLE_ELEMENT_BYTES * plan.nout * plan.p64
     return max(flops / ceilings["matmul_tflops"] / 1e9, nbytes / ceilings["copy_gbps"] / 1e6)
+
+
+def train_floor_ms(plan, batch: int, ceilings: dict[str, Any], *,
+                   grad_input: bool = True) -> float | None:
+    """The training step's floor: the forward's (see :func:`forward_floor_ms`) once for the
+    forward, once for the weight gradient and, where x needs one, once for grad-input."""
+    forward = forward_floor_ms(plan, batch, ceilings)
+    if forward is None:
+        return None
+    return forward * (TRAIN_FLOOR_FACTOR if grad_input else TRAIN_FLOOR_FACTOR - 1)
 
 
 def random_inputs(plan: KNNConvPlan, batch: int, dtype: torch.dtype,
@@ -423,7 +438,8 @@ class Benchmark:
                                         **timing)
             return median_ms, ran, None
         if mode == "train_graph":
-            return (*graph_replay_ms(train_step, self.device, **timing), None)
+            return (*graph_replay_ms(train_step, self.device, reset=inputs.clear_grads,
+                                     **timing), None)
 
         def forward_step() -> tuple[torch.Tensor, str]:
             with torch.no_grad():
@@ -441,9 +457,8 @@ class Benchmark:
                 mode: str, status: str, *, median_ms: float | None = None,
                 backend_ran: str | None = None, rel_err: float | None = None,
                 note: str | None = None) -> None:
-        floor_ms = forward_floor_ms(plan, batch, self.ceilings)
-        if floor_ms is not None and mode != "forward":
-            floor_ms *= TRAIN_FLOOR_FACTOR
+        floor_ms = (forward_floor_ms(plan, batch, self.ceilings) if mode == "forward"
+                    else train_floor_ms(plan, batch, self.ceilings))
         anchor_ms = self.anchors.get((name, batch, mode)) if dtype_name == ANCHOR_DTYPE else None
         measured = median_ms is not None
         row = {
@@ -470,39 +485,54 @@ class Benchmark:
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Geometric means: % of floor per backend/mode, train speedup vs the anchor per backend."""
+    """Geometric means per dtype: % of floor per backend/mode, and the training step's
+    speedup over the anchor per backend, each over the cells every backend completed, so
+    backends are compared on one set."""
+    ok = [row for row in rows if row["status"] == "ok"]
+    done = defaultdict(set)  # (dtype, mode) -> backends, per cell
+    for row in ok:
+        done[(row["dtype"], row["mode"], row["layer"], row["batch"])].add(row["backend"])
+    backends = defaultdict(set)
+    for (dtype, mode, _, _), names in done.items():
+        backends[(dtype, mode)] |= names
+
+    def common(row: dict[str, Any]) -> bool:
+        key = (row["dtype"], row["mode"])
+        return done[(*key, row["layer"], row["batch"])] == backends[key]
+
     pct = defaultdict(list)
     speedup = defaultdict(list)
-    for row in rows:
-        if row["status"] != "ok":
-            continue
+    for row in filter(common, ok):
         if row["pct_of_floor"] is not None:
-            pct[(row["backend"], row["mode"])].append(row["pct_of_floor"])
+            pct[(row["dtype"], row["backend"], row["mode"])].append(row["pct_of_floor"])
         if row["mode"] == "train" and row["speedup_vs_anchor"] is not None:
-            speedup[row["backend"]].append(row["speedup_vs_anchor"])
+            speedup[(row["dtype"], row["backend"])].append(row["speedup_vs_anchor"])
     statuses = defaultdict(int)
     for row in rows:
         statuses[row["status"]] += 1
     return {
         "statuses": dict(statuses),
         "pct_of_floor_geomean": [
-            {"backend": backend, "mode": mode, "geomean": geomean(values), "cells": len(values)}
-            for (backend, mode), values in pct.items()
+            {"dtype": dtype, "backend": backend, "mode": mode, "geomean": geomean(values),
+             "cells": len(values)}
+            for (dtype, backend, mode), values in pct.items()
         ],
         "train_speedup_vs_anchor_geomean": [
-            {"backend": backend, "geomean": geomean(values), "cells": len(values)}
-            for backend, values in speedup.items()
+            {"dtype": dtype, "backend": backend, "geomean": geomean(values),
+             "cells": len(values)}
+            for (dtype, backend), values in speedup.items()
         ],
     }
 
 
 def print_summary(summary: dict[str, Any]) -> None:
     print("\ncells by status: " + ", ".join(f"{n} {s}" for s, n in summary["statuses"].items()))
+    print("(geometric means over the cells every backend completed, per dtype and mode)")
     for entry in summary["pct_of_floor_geomean"]:
-        print(f"geomean % of floor  {entry['backend']:<13} {entry['mode']:<7} "
-              f"{entry['geomean']:7.2f}%  ({entry['cells']} cells)")
+        print(f"geomean % of floor  {entry['dtype']:<9} {entry['backend']:<13} "
+              f"{entry['mode']:<11} {entry['geomean']:7.2f}%  ({entry['cells']} cells)")
     for entry in summary["train_speedup_vs_anchor_geomean"]:
-        print(f"geomean train speedup vs anchor  {entry['backend']:<13} "
+        print(f"geomean train speedup vs anchor  {entry['dtype']:<9} {entry['backend']:<13} "
               f"{entry['geomean']:6.3g}x  ({entry['cells']} cells)")
 
 

@@ -3,7 +3,8 @@
 ``python -m knnconv.bench_networks --geometry DIR`` builds each model's KNN convolutions from
 a geometry set (index.json + npz, see knnconv.bench), runs one training step through all of
 them (forward through every layer, then one backward through every layer, each layer on its
-own random input), eagerly and replayed as a CUDA graph, and puts the time against the sum of
+own random input, the weight gradients and every dx but the image's computed as a network's
+step computes them), eagerly and replayed as a CUDA graph, and puts the time against the sum of
 the layers' training floors (ceilings measured in the same run), with knnconv's default (x kept
 between forward and backward) and keeping the cuda backend's input re-layouts instead
 (knnconv.keep_input_relayout(True)).
@@ -19,14 +20,13 @@ from pathlib import Path
 import torch
 
 from .bench import (
-    TRAIN_FLOOR_FACTOR,
     device_description,
-    forward_floor_ms,
     graph_replay_ms,
     int_at_least,
     load_geometry_dir,
     measure_ceilings,
     time_calls,
+    train_floor_ms,
 )
 from .functional import keep_input_relayout
 from .layers import KNNConv
@@ -51,9 +51,13 @@ def time_network(layers, batch: int, repeats: int) -> dict:
     grads = [torch.randn(batch, layer.out_channels, layer.plan.nout, device=device,
                          dtype=layer.weight.dtype) for layer in layers]
 
+    # As in a network: each weight gradient written afresh (after zero_grad), each dx handed
+    # on (returned, not accumulated into a leaf); the image needs none.
+    wanted = [layer.weight for layer in layers] + [x for x in inputs if x.requires_grad]
+
     def step():
         outputs = [layer(x) for layer, x in zip(layers, inputs, strict=True)]
-        torch.autograd.backward(outputs, grads)
+        return torch.autograd.grad(outputs, wanted, grads)
 
     # The replay's warm-up compiles and verifies the kernels and builds the tables.
     graph_ms = graph_replay_ms(step, device, warmup=3, repeats=repeats)[0]
@@ -73,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for model, batch in NETWORKS.items():
         layers = network_layers(args.geometry, model, device, torch.float16)
-        floor = sum(TRAIN_FLOOR_FACTOR * forward_floor_ms(layer.plan, batch, ceilings)
-                    for layer in layers)
+        floor = sum(train_floor_ms(layer.plan, batch, ceilings,
+                                   grad_input=layer.in_channels > 3) for layer in layers)
         for keep in (False, True):
             with keep_input_relayout(keep):
                 times = time_network(layers, batch, args.repeats)
