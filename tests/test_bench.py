@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -208,3 +209,10 @@ def test_summary_keeps_dtypes_apart_and_compares_backends_on_the_cells_all_compl
     assert pct == {("float16", "cuda"): (40.0, 1), ("float16", "torch_compact"): (10.0, 1),
                    ("bfloat16", "cuda"): (20.0, 1)}
     assert summary["statuses"] == {"ok": 4, "oom": 1}
+
+
+def test_relative_error_on_known_values():
+    # the library's metric (bench tables, canaries use their own): known answers, NaN fails
+    assert bench.relative_error(torch.tensor([1.1]), torch.tensor([1.0])) == pytest.approx(0.1)
+    assert bench.relative_error(torch.tensor([3.0, 4.0]), torch.zeros(2)) == pytest.approx(5.0)
+    assert math.isnan(bench.relative_error(torch.tensor([math.nan]), torch.tensor([1.0])))

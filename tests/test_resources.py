@@ -1,5 +1,6 @@
-"""Caches and shared state: built once under racing threads, bounded across many calls, and
-never stale (the cuda backend's weight re-layout cache is exercised with CPU tensors)."""
+"""Caches and shared state on the CPU: built once under racing threads and bounded across
+many calls (the GPU counterparts, stale-cache cases included, are in
+tests/ops/cuda/test_resources_gpu.py)."""
 
 import collections
 import itertools

@@ -196,3 +196,29 @@ def test_empty_batch():
     y = layer(x)
     y.sum().backward()
     assert y.shape == (0, 3, 12) and torch.equal(layer.weight.grad, torch.zeros_like(layer.weight))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_one_output_node_pools_and_convolves_like_float64(dtype):
+    # Nout = 1: a grid of a single CTA column, the reversed graph of one node
+    generator = torch.Generator().manual_seed(31)
+    geometry = random_geometry(generator, nin=10, nout=1, k=5, v=9, padding=0.2)
+    x = torch.randn(17, 6, 10, generator=generator).to(dtype)
+    grad_y = torch.randn(17, 6, 1, generator=generator).to(dtype)
+    layer = KNNDepthwiseConv(6, geometry.knn_indices, geometry.rf_index, nin=10, v=9,
+                             backend="cuda")
+    nn.init.normal_(layer.bias)
+    reference = copy.deepcopy(layer).double()
+    reference.backend = "torch"
+    modules = [(KNNPool(geometry.knn_indices, nin=10, mode=mode, backend="cuda"),
+                KNNPool(geometry.knn_indices, nin=10, mode=mode, backend="torch").double())
+               for mode in ("max", "avg")] + [(layer, reference)]
+    for native, expected in modules:
+        native_x, x64 = x.to(DEVICE).requires_grad_(), x.double().requires_grad_()
+        y = native.to(DEVICE, dtype)(native_x)
+        y.backward(grad_y.to(DEVICE))
+        y64 = expected(x64)
+        y64.backward(grad_y.double())
+        assert native.last_backend == "cuda" and y.shape == (17, 6, 1)
+        assert rel_err(y.cpu(), y64) < TOLERANCE[dtype]
+        assert rel_err(native_x.grad.cpu(), x64.grad) < TOLERANCE[dtype]

@@ -235,7 +235,8 @@ class CudaOps(KNNConvOps):
         tables = plan.on(device)
         gathers = need_input and launch.algorithm == "gather"
         reverse = self.reverse(plan, device) if gathers else None
-        grads = launch.run(grad_y, x, weight, tables.input_linear, tables.weight_linear, reverse)
+        grads = launch.run(grad_y, x, weight, tables.input_linear, tables.weight_linear, reverse,
+                           poison=bool(first))
         if "input" in first:
             self._canary(keys["input"], grads[0], self._oracle.grad_input(plan, grad_y, weight))
         if "weight" in first:

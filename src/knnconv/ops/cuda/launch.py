@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 
 import numpy as np
 import torch
@@ -550,12 +550,18 @@ class BackwardLaunch:
         self.zero_bytes = carve.size - self.zero_from
         self.workspace_bytes = carve.size
 
-    def run(self, grad_y, x, weight, input_linear, weight_linear, reverse: ReverseTables | None):
+    def run(self, grad_y, x, weight, input_linear, weight_linear, reverse: ReverseTables | None,
+            *, poison: bool = False):
         """(dx, dW, dbias), None for a gradient not needed. x: [B, Cin, Nin] or the forward's
-        TransposedInput; reverse: the reversed graph (gather only)."""
+        TransposedInput; reverse: the reversed graph (gather only). poison: NaN-fill the
+        outputs and every workspace byte a kernel must write before another reads it, so an
+        element left unwritten shows as NaN."""
         device, index = grad_y.device, self.device.index
         batch, bpad, gpad, cin, nin = self.batch, self.bpad, self.gpad, self.cin, self.nin
         workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
+        if poison:
+            workspace[: self.zero_from].fill_(0xFF)  # all-ones bytes: NaN in every float type
+        new = partial(torch.full, fill_value=math.nan) if poison else torch.empty
         base = workspace.data_ptr()
         if self.zero_bytes:
             _zero(base + self.zero_from, self.zero_bytes, index)
@@ -578,7 +584,7 @@ class BackwardLaunch:
                 self.input_gemm(gt, w_relaid, input_linear.data_ptr(), weight_linear.data_ptr(),
                                 staging, batch, bpad, gpad, gpad, self.p64, cin * nin,
                                 input_linear.shape[0], self.nodes_per_cta)
-            dx = torch.empty(batch, cin, nin, dtype=self.grad_dtypes[0], device=device)
+            dx = new((batch, cin, nin), dtype=self.grad_dtypes[0], device=device)
             self.restore_dx.launch_raw(staging, dx.data_ptr(), self.restore_dx_strides)
         if self.need_weight:
             saved = self.input_layout(x)
@@ -586,10 +592,10 @@ class BackwardLaunch:
             self.weight_gemm(saved.xt.data_ptr(), gt, input_linear.data_ptr(),
                              weight_linear.data_ptr(), dwt, bpad, gpad, self.p64, cin * nin,
                              self.p_tiles, self.per_split)
-            dw = torch.empty(self.cout, self.q, dtype=self.grad_dtypes[1], device=device)
+            dw = new((self.cout, self.q), dtype=self.grad_dtypes[1], device=device)
             self.restore_dw.launch_raw(dwt, dw.data_ptr(), (0, gpad, 1))
         if self.need_bias:
-            db = torch.empty(self.cout, dtype=self.grad_dtypes[2], device=device)
+            db = new((self.cout,), dtype=self.grad_dtypes[2], device=device)
             self.restore_db.launch_raw(base + self.db_at, db.data_ptr(), (0, 0, 1))
         return dx, dw, db
 
@@ -642,10 +648,11 @@ def forward(x, weight, bias, input_linear, weight_linear, config=None, *, poison
 
 def backward(grad_y, x, weight, input_linear, weight_linear, reverse, cin, nin, q, *,
              need_input=True, need_weight=True, input_algorithm=None, input_config=None,
-             weight_config=None, ksplit=None, nodes_per_cta=None):
+             weight_config=None, ksplit=None, nodes_per_cta=None, poison_outputs=False):
     """(dx, dW) in float32, either None when not needed, from one grad_y re-layout (see
     :class:`BackwardLaunch`). x: [B, Cin, Nin] or the forward's TransposedInput.
-    nodes_per_cta: how many nodes one CTA of the scatter kernel walks (None: heuristic)."""
+    nodes_per_cta: how many nodes one CTA of the scatter kernel walks (None: heuristic).
+    poison_outputs: NaN-fill outputs and staging first (see BackwardLaunch.run)."""
     _check_operands("backward", *((grad_y, weight) if need_input else (grad_y,)))
     _check_kernel_tables(input_linear, weight_linear, grad_y.device)
     batch, cout, nout = grad_y.shape
@@ -667,7 +674,8 @@ def backward(grad_y, x, weight, input_linear, weight_linear, reverse, cin, nin, 
                             nodes_per_cta=nodes_per_cta)
     if launch.algorithm == "gather" and need_input and reverse is None:
         raise ValueError("the gather algorithm needs reverse=reverse_tables(...)")
-    return launch.run(grad_y, x, weight, input_linear, weight_linear, reverse)[:2]
+    return launch.run(grad_y, x, weight, input_linear, weight_linear, reverse,
+                      poison=poison_outputs)[:2]
 
 
 def grad_input(grad_y, weight, input_linear, weight_linear, cin, nin, config=None, *,
