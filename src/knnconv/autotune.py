@@ -31,7 +31,13 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .bench import device_description, release_memory, time_calls, unsupported_reason
+from .bench import (
+    device_description,
+    random_inputs,
+    release_memory,
+    time_calls,
+    unsupported_reason,
+)
 from .ops.registry import available_backends, get_ops
 from .plan import KNNConvPlan
 
@@ -164,14 +170,8 @@ def step_ms(name: str, plan: KNNConvPlan, batch: int, device: torch.device,
     from .functional import backward_impl, forward_impl
 
     ops = get_ops(name)
-    generator = torch.Generator().manual_seed(0)
-
-    def normal(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator).to(device, dtype)
-
-    x, weight, bias = normal(batch, plan.cin, plan.nin), normal(plan.cout, plan.q), normal(
-        plan.cout)
-    grad_y = normal(batch, plan.cout, plan.nout)
+    inputs = random_inputs(plan, batch, dtype, device)
+    x, weight, bias, grad_y = inputs.x, inputs.weight, inputs.bias, inputs.grad_y
     keep = _keeps_relayout()
 
     def step() -> None:
