@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from knnconv import KNNConvPlan, autotune, available_backends, get_ops, make_plan
+from knnconv.ops import TorchCompactOps
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,41 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     scale = expected.norm().item()
     error = (actual.cpu() - expected.cpu()).norm().item()
     return error / scale if scale > 0 else error
+
+
+@dataclass
+class KeptCopy:
+    tensor: torch.Tensor
+
+
+class CopyKeepingOps(TorchCompactOps):
+    """torch_compact keeping its own copy of x from the forward for the backward (an object,
+    with a tensor form under torch.compile), as the cuda backend keeps its re-layout of x; it
+    records what each backward receives as x and which gradients it is asked for."""
+
+    name = "copy_keeping"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.received, self.needs = [], []
+
+    def forward_saving(self, plan, x, weight, bias):
+        return self.forward(plan, x, weight, bias), KeptCopy(x.clone())
+
+    def saved_layout(self, plan, batch, dtype):
+        return (batch, plan.cin, plan.nin)
+
+    def saved_tensor(self, saved_x):
+        return saved_x.tensor
+
+    def saved_input(self, saved, plan, batch):
+        return KeptCopy(saved)
+
+    def gradients(self, plan, grad_y, x, weight, needs, dtypes):
+        self.received.append(x)
+        self.needs.append(needs)
+        x = x.tensor if isinstance(x, KeptCopy) else x
+        return super().gradients(plan, grad_y, x, weight, needs, dtypes)
 
 
 def _serves_cpu(name: str) -> bool:

@@ -10,10 +10,9 @@ import pytest
 import torch
 
 import knnconv
-from conftest import random_geometry, random_inputs, rel_err
+from conftest import CopyKeepingOps, KeptCopy, random_geometry, random_inputs, rel_err
 from knnconv import autotune, knn_conv_with_backend
 from knnconv.ops import registry
-from knnconv.ops.torch_compact import TorchCompactOps
 
 
 @pytest.fixture
@@ -262,29 +261,12 @@ def test_a_choice_is_measured_and_kept_per_input_relayout_setting(tuning, plan, 
     assert tuning == [(name, 2) for name in ("torch_binned", "torch_compact")] * 2
 
 
-class RecordingOps(TorchCompactOps):
-    """torch_compact keeping its own copy of x, recording what each backward gets as x."""
-
-    name = "recording_copy_keeping"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.received = []
-
-    def forward_saving(self, plan, x, weight, bias):
-        return self.forward(plan, x, weight, bias), ("copy", x.clone())
-
-    def gradients(self, plan, grad_y, x, weight, needs, dtypes):
-        self.received.append((type(x), needs))
-        x = x[1] if isinstance(x, tuple) else x
-        return super().gradients(plan, grad_y, x, weight, needs, dtypes)
-
-
 @pytest.mark.parametrize("keep", [False, True])
 def test_a_measured_step_runs_as_a_training_call_would(plan, monkeypatch, keep):
-    ops = RecordingOps()
+    ops = CopyKeepingOps()
     monkeypatch.setitem(registry._REGISTRY, ops.name, ops)
     with knnconv.keep_input_relayout(keep):
         autotune.step_ms(ops.name, plan, 2, torch.device("cpu"), torch.float32)
     # every timed backward got what a call's would, for x, weight and bias
-    assert set(ops.received) == {(tuple if keep else torch.Tensor, (True, True, True))}
+    assert {type(x) for x in ops.received} == {KeptCopy if keep else torch.Tensor}
+    assert set(ops.needs) == {(True, True, True)}

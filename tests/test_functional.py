@@ -1,10 +1,17 @@
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
 
-from conftest import CPU_BACKENDS, oracle_knn_conv, random_geometry, random_inputs, rel_err
+from conftest import (
+    CPU_BACKENDS,
+    CopyKeepingOps,
+    KeptCopy,
+    oracle_knn_conv,
+    random_geometry,
+    random_inputs,
+    rel_err,
+)
 from knnconv import (
     get_ops,
     keep_input_relayout,
@@ -12,7 +19,7 @@ from knnconv import (
     knn_conv_with_backend,
     set_keep_input_relayout,
 )
-from knnconv.ops import TorchCompactOps, registry
+from knnconv.ops import registry
 
 
 def leaves(*tensors):
@@ -207,30 +214,6 @@ def test_non_contiguous_inputs(rng, backend):
     y = knn_conv(x, weight, None, plan, backend=backend)
 
     assert rel_err(y, oracle_knn_conv(x, weight, None, geometry)) < 1e-13
-
-
-@dataclass
-class KeptCopy:
-    tensor: torch.Tensor
-
-
-class CopyKeepingOps(TorchCompactOps):
-    """torch_compact keeping its own copy of x from the forward (not a tensor, like the cuda
-    backend's re-layout), and recording what each backward receives as x."""
-
-    name = "copy_keeping"
-
-    def __init__(self):
-        super().__init__()
-        self.received = []
-
-    def forward_saving(self, plan, x, weight, bias):
-        return self.forward(plan, x, weight, bias), KeptCopy(x.clone())
-
-    def gradients(self, plan, grad_y, x, weight, needs, dtypes):
-        self.received.append(x)
-        x = x.tensor if isinstance(x, KeptCopy) else x
-        return super().gradients(plan, grad_y, x, weight, needs, dtypes)
 
 
 @pytest.mark.parametrize("keep", [True, False])

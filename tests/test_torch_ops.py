@@ -8,7 +8,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import knnconv
 import knnconv.torch_ops  # noqa: F401  (registers the ops this module checks)
-from conftest import CPU_BACKENDS, random_geometry, rel_err
+from conftest import CPU_BACKENDS, CopyKeepingOps, random_geometry, rel_err
 
 
 def small_network(backend: str, generator: torch.Generator) -> torch.nn.Module:
@@ -88,34 +88,6 @@ def test_fake_forward_gives_a_cuda_re_layout_shape(batch, rng):
     else:
         assert saved.shape[0] == 3 * 30 + 1 and saved.shape[1] >= batch
         assert saved.shape[1] % 16 == 0
-
-
-class _KeptCopy:
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-
-class CopyKeepingOps(knnconv.ops.torch_compact.TorchCompactOps):
-    """torch_compact keeping its own copy of x for the backward, in tensor form under
-    torch.compile, as the cuda backend keeps its re-layout of x."""
-
-    name = "tensor_copy_keeping"
-
-    def forward_saving(self, plan, x, weight, bias):
-        return self.forward(plan, x, weight, bias), _KeptCopy(x.clone())
-
-    def saved_layout(self, plan, batch, dtype):
-        return (batch, plan.cin, plan.nin)
-
-    def saved_tensor(self, saved_x):
-        return saved_x.tensor
-
-    def saved_input(self, saved, plan, batch):
-        return _KeptCopy(saved)
-
-    def gradients(self, plan, grad_y, x, weight, needs, dtypes):
-        x = x.tensor if isinstance(x, _KeptCopy) else x
-        return super().gradients(plan, grad_y, x, weight, needs, dtypes)
 
 
 @pytest.mark.parametrize("keep", [True, False])

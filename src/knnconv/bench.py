@@ -489,7 +489,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     speedup over the anchor per backend, each over the cells every backend completed, so
     backends are compared on one set."""
     ok = [row for row in rows if row["status"] == "ok"]
-    done = defaultdict(set)  # (dtype, mode) -> backends, per cell
+    done = defaultdict(set)  # (dtype, mode, layer, batch) -> the backends that completed it
     for row in ok:
         done[(row["dtype"], row["mode"], row["layer"], row["batch"])].add(row["backend"])
     backends = defaultdict(set)

@@ -76,9 +76,8 @@ def set_keep_input_relayout(enabled: bool) -> bool:
     the cuda backend keeps its batch-contiguous copy of x from the forward and the backward
     skips that re-layout, a few percent faster for noticeably more peak memory (measured on
     whole networks: README "Memory", bench/NOTES.md versions 24 and 29). The torch backends
-    keep x either way. Returns the
-    previous setting. Read at every call; a torch.compile'd graph keeps the setting it was
-    traced with.
+    keep x either way. Returns the previous setting. Read at every call; a torch.compile'd
+    graph keeps the setting it was traced with.
     """
     global _keep_input_relayout
     previous, _keep_input_relayout = _keep_input_relayout, bool(enabled)
