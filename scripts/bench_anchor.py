@@ -33,6 +33,7 @@ from knnconv.bench import (
     int_at_least,
     load_geometry_dir,
     random_inputs,
+    reads_image,
     release_memory,
     time_calls,
 )
@@ -169,8 +170,9 @@ def network_peak_mib(directory: Path, model: str, batch: int, backend: str) -> f
     layers = load_geometry_dir(directory, [f"{model}:"], repeats=True)
     operands = [random_inputs(layer.plan(), batch, torch.float16, DEVICE) for layer in layers]
     for layer, inputs in zip(layers, operands, strict=True):
-        inputs.x.requires_grad_(layer.cin > 3)
-        if layer.cin > 3:
+        needs_grad = not reads_image(layer.cin)
+        inputs.x.requires_grad_(needs_grad)
+        if needs_grad:
             inputs.x.register_post_accumulate_grad_hook(lambda x: setattr(x, "grad", None))
     before = memory_baseline(backend)
     forwards = [layer_forward(backend, layer.plan(), inputs)

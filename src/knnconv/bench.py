@@ -294,6 +294,12 @@ def train_floor_ms(plan, batch: int, ceilings: dict[str, Any], *,
     return forward * (TRAIN_FLOOR_FACTOR if grad_input else TRAIN_FLOOR_FACTOR - 1)
 
 
+def reads_image(in_channels: int) -> bool:
+    """Whether a network layer is its first, reading the RGB image: nothing needs that
+    input's gradient, so its training step computes none."""
+    return in_channels <= 3
+
+
 def random_inputs(plan: KNNConvPlan, batch: int, dtype: torch.dtype,
                   device: torch.device) -> CellInputs:
     """Normal x, bias and grad_y, and a weight scaled by 1/sqrt(Cin*K) so y stays O(1)."""

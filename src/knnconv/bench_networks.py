@@ -25,6 +25,7 @@ from .bench import (
     int_at_least,
     load_geometry_dir,
     measure_ceilings,
+    reads_image,
     time_calls,
     train_floor_ms,
 )
@@ -46,7 +47,8 @@ def network_layers(directory: Path, model: str, device, dtype) -> list[KNNConv]:
 def time_network(layers, batch: int, repeats: int) -> dict:
     device = layers[0].weight.device
     inputs = [torch.randn(batch, layer.in_channels, layer.plan.nin, device=device,
-                          dtype=layer.weight.dtype, requires_grad=layer.in_channels > 3)
+                          dtype=layer.weight.dtype,
+                          requires_grad=not reads_image(layer.in_channels))
               for layer in layers]
     grads = [torch.randn(batch, layer.out_channels, layer.plan.nout, device=device,
                          dtype=layer.weight.dtype) for layer in layers]
@@ -78,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     for model, batch in NETWORKS.items():
         layers = network_layers(args.geometry, model, device, torch.float16)
         floor = sum(train_floor_ms(layer.plan, batch, ceilings,
-                                   grad_input=layer.in_channels > 3) for layer in layers)
+                                   grad_input=not reads_image(layer.in_channels))
+                    for layer in layers)
         for keep in (False, True):
             with keep_input_relayout(keep):
                 times = time_network(layers, batch, args.repeats)

@@ -59,6 +59,23 @@ def test_only_the_needed_kernels_are_verified(plans):
                                                torch.device("cuda", 0), torch.float16)
 
 
+def test_the_forward_keys_each_way_it_reads_the_bias(plans):
+    forward = launch.ForwardLaunch(batch=17, cin=40, nin=70, cout=65, nout=31, q=360, p64=384,
+                                   dtype=torch.float16, device=torch.device("cuda", 0))
+    absent, as_fp32, as_x = (forward.kernel_key(bias) for bias in (
+        None, torch.zeros(65), torch.zeros(65, dtype=torch.float16)))
+    assert len({absent, as_fp32, as_x}) == 3
+    # a bias the kernel cannot read in its own dtype is read as fp32, so it is that path
+    for converted in (torch.float64, torch.bfloat16):
+        bias = torch.zeros(65, dtype=converted)
+        assert forward.bias_read_dtype(bias) == torch.float32
+        assert forward.kernel_key(bias) == as_fp32
+    family, dtype, _, device, walks, vector_stores, _ = absent
+    assert (family, dtype, device, vector_stores) == ("forward", torch.float16,
+                                                      torch.device("cuda", 0), False)
+    assert walks == (forward.nodes_per_cta > 1)
+
+
 @pytest.mark.parametrize("batch", [17, 128, 512])
 def test_a_few_node_forward_pads_the_batch_as_its_default_backward_does(plans, batch):
     # resnet18 layer4.0.conv1: the tiles fall through to small ones for few nodes, in both

@@ -191,11 +191,7 @@ class CudaOps(KNNConvOps):
         launch = self._launch_plan(plan, device, ("forward", batch, x.dtype), lambda: ForwardLaunch(
             batch=batch, cin=plan.cin, nin=plan.nin, cout=plan.cout, nout=plan.nout, q=plan.q,
             p64=plan.p64, dtype=x.dtype, device=device))
-        # one check per kernel and per path it takes at run time: walking nodes or not,
-        # 16-byte stores (Cout % 8 == 0) or element stores, the bias read as fp32, as x's
-        # dtype, or absent
-        key = ("forward", x.dtype, launch.cfg, device, launch.nodes_per_cta > 1,
-               plan.cout % 8 == 0, None if bias is None else bias.dtype == torch.float32)
+        key = launch.kernel_key(bias)
         first = self._first_use(key)
         tables = plan.on(device)
         y, saved = launch.run(x, weight, bias, tables.input_linear, tables.weight_linear,

@@ -410,9 +410,27 @@ class ForwardLaunch:
                                          device.index, spare_bytes=wt_bytes)
         self.gemm = _Gemm("forward", cfg, dtype, device.index,
                           (-(-nout // self.nodes_per_cta), *grid_yz))
+        # What names the kernel a call runs, but for how it reads the bias (see kernel_key): the
+        # paths it takes at run time, walking nodes or not, 16-byte stores (Cout % 8 == 0) or
+        # element stores. CudaOps verifies each on its first use.
+        self._kernel_key = ("forward", dtype, cfg, device, self.nodes_per_cta > 1,
+                            cout % 8 == 0)
+
+    def bias_read_dtype(self, bias: torch.Tensor | None) -> torch.dtype | None:
+        """The dtype the kernel reads ``bias`` in: its own if fp32 or the compute dtype (both
+        added in fp32), else fp32."""
+        if bias is None:
+            return None
+        return bias.dtype if bias.dtype in (self.dtype, torch.float32) else torch.float32
+
+    def kernel_key(self, bias: torch.Tensor | None) -> tuple:
+        """The kernel a call with ``bias`` runs: the bias read as fp32, as x's dtype, or absent
+        are paths of their own."""
+        read = self.bias_read_dtype(bias)
+        return (*self._kernel_key, None if read is None else read == torch.float32)
 
     def run(self, x, weight, bias, input_linear, weight_linear, *, poison_output=False):
-        """bias: None, float32, or in the compute dtype (both added in fp32 by the kernel)."""
+        """bias: None or any float dtype (see bias_read_dtype)."""
         dtype = self.dtype
         saved = self.input_layout(x)
         wt = self.input_layout.spare_address(saved.xt)
@@ -422,10 +440,8 @@ class ForwardLaunch:
         shape = (self.batch, self.nout, self.cout)
         y = (torch.full(shape, math.nan, dtype=dtype, device=x.device) if poison_output
              else torch.empty(shape, dtype=dtype, device=x.device))
-        if bias is not None and bias.dtype not in (dtype, torch.float32):
-            bias = bias.to(torch.float32)
-        if bias is not None and not bias.is_contiguous():  # the kernel reads bias[o]
-            bias = bias.contiguous()
+        if bias is not None:  # the kernel reads bias[o]
+            bias = bias.to(self.bias_read_dtype(bias)).contiguous()
         self.gemm(saved.xt.data_ptr(), wt, input_linear.data_ptr(), weight_linear.data_ptr(), 0,
                   _pointer(bias), int(bias is not None and bias.dtype == torch.float32),
                   y.data_ptr(), self.batch, self.bpad, self.cout, self.cpad, self.nout, self.p64,
