@@ -211,6 +211,52 @@ def test_summary_keeps_dtypes_apart_and_compares_backends_on_the_cells_all_compl
     assert summary["statuses"] == {"ok": 4, "oom": 1}
 
 
+def test_compiled_steps_compare_with_the_anchors_training_step_and_replays_with_none():
+    def row(mode, speedup):
+        return {"layer": "a", "batch": 8, "dtype": "float16", "backend": "cuda", "mode": mode,
+                "status": "ok", "pct_of_floor": 10.0, "speedup_vs_anchor": speedup}
+
+    summary = bench.summarize([row("forward", 3.0), row("train", 2.0), row("train_graph", None),
+                               row("train_compiled", 6.0)])
+    speedups = {entry["mode"]: entry["geomean"]
+                for entry in summary["train_speedup_vs_anchor_geomean"]}
+    assert speedups == {"train": 2.0, "train_compiled": 6.0}
+    assert bench.ANCHOR_MODE == {"forward": "forward", "train": "train",
+                                 "train_compiled": "train"}
+
+
+def test_compiled_steps_are_opt_in():
+    parser = bench.argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert "train_compiled" not in parser.parse_args([]).modes
+    assert parser.parse_args(["--modes", "train_compiled"]).modes == ["train_compiled"]
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_graph_and_compiled_modes_time_the_cuda_backend(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    pytest.importorskip("cupy")
+    write_geometry_set(tmp_path)
+    anchors = tmp_path / "anchors.json"
+    anchors.write_text(json.dumps([
+        {"layer": "tiny:block.0.conv", "batch": 2, "floor_fwd_ms": 0.001, "anchor_fwd_ms": 0.5,
+         "reference_fwd_ms": 1.0, "floor_train_ms": 0.003, "anchor_train_ms": 1.5,
+         "reference_train_ms": 3.0}]))
+    rc = bench.main(["--geometry", str(tmp_path), "--layers", "block", *QUICK,
+                     "--backends", "torch_compact,cuda", "--anchors", str(anchors),
+                     "--modes", "train,train_graph,train_compiled", "--out", str(tmp_path),
+                     "--name", "gpu"])
+    assert rc == 0
+    rows = {(r["backend"], r["mode"]): r for r in read_rows(tmp_path, "gpu")}
+    # graph modes run the cuda backend only
+    assert set(rows) == {("torch_compact", "train"), ("cuda", "train"), ("cuda", "train_graph"),
+                         ("cuda", "train_compiled")}
+    assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in rows.values())
+    assert rows[("cuda", "train_compiled")]["anchor_ms"] == 1.5
+    assert rows[("cuda", "train_graph")]["anchor_ms"] is None
+
+
 def test_relative_error_on_known_values():
     # the library's metric (bench tables, canaries use their own): known answers, NaN fails
     assert bench.relative_error(torch.tensor([1.1]), torch.tensor([1.0])) == pytest.approx(0.1)

@@ -33,10 +33,17 @@ from .ops import available_backends, get_ops
 from .plan import KNNConvPlan, make_plan
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-MODES = ("forward", "train", "train_graph")
+MODES = ("forward", "train", "train_graph", "train_compiled")
 # train_graph: the training step captured once as a CUDA graph and replayed, i.e. the GPU
-# time without the host path; CUDA devices and the cuda backend only.
-GRAPH_MODES = ("train_graph",)
+# time without the host path. train_compiled: the training step of the layer under
+# torch.compile(mode="reduce-overhead"), which replays its forward and its backward as CUDA
+# graphs (PyTorch's CUDA-graph trees): what a user who compiles gets, host path included.
+# Both: CUDA devices and the cuda backend only; train_compiled is opt-in (each cell compiles).
+GRAPH_MODES = ("train_graph", "train_compiled")
+DEFAULT_MODES = ("forward", "train", "train_graph")
+# The anchor figure a mode's time compares with: a compiled step is what a user who compiles
+# runs instead of the anchor's eager step; a graph replay (GPU time only) compares with none.
+ANCHOR_MODE = {"forward": "forward", "train": "train", "train_compiled": "train"}
 DEFAULT_BATCHES = (128, 512, 2048)
 # Present only in a source checkout (src/knnconv/bench.py -> <repo>/bench/anchors.json).
 REPO_ANCHORS = Path(__file__).resolve().parents[2] / "bench" / "anchors.json"
@@ -233,6 +240,32 @@ def graph_replay_ms(step: Callable[[], Any], device: torch.device, *, warmup: in
     median_ms = time_calls(graph.replay, device, warmup=1, repeats=repeats)[0]
     del graph
     return median_ms, result
+
+
+def compiled_train_ms(plan: KNNConvPlan, inputs: CellInputs, backend: str,
+                      device: torch.device, *, warmup: int, repeats: int) -> float:
+    """Median ms of a training step (forward, then the gradients of x, weight and bias) of
+    the layer compiled with torch.compile(mode="reduce-overhead"), timed as a user sees it.
+    The warm-up (at least three calls) runs the step eagerly once, then records its graphs."""
+    import torch._dynamo
+
+    # Dynamo caches a handful of compilations per function: each cell starts afresh, so none
+    # falls back to eager for exceeding that limit.
+    torch._dynamo.reset()
+
+    def layer(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return knn_conv_with_backend(x, weight, bias, plan, backend)[0]
+
+    compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True, dynamic=False)
+
+    def step() -> None:
+        torch.compiler.cudagraph_mark_step_begin()
+        compiled(inputs.x, inputs.weight, inputs.bias).backward(inputs.grad_y)
+
+    median_ms = time_calls(step, device, warmup=max(3, warmup), repeats=repeats,
+                           reset=inputs.clear_grads)[0]
+    torch._dynamo.reset()
+    return median_ms
 
 
 def _copy_ms(device: torch.device) -> float:
@@ -446,6 +479,8 @@ class Benchmark:
         if mode == "train_graph":
             return (*graph_replay_ms(train_step, self.device, reset=inputs.clear_grads,
                                      **timing), None)
+        if mode == "train_compiled":  # a named backend (cuda) serves or raises, never another
+            return compiled_train_ms(plan, inputs, backend, self.device, **timing), backend, None
 
         def forward_step() -> tuple[torch.Tensor, str]:
             with torch.no_grad():
@@ -465,7 +500,8 @@ class Benchmark:
                 note: str | None = None) -> None:
         floor_ms = (forward_floor_ms(plan, batch, self.ceilings) if mode == "forward"
                     else train_floor_ms(plan, batch, self.ceilings))
-        anchor_ms = self.anchors.get((name, batch, mode)) if dtype_name == ANCHOR_DTYPE else None
+        anchor_ms = (self.anchors.get((name, batch, ANCHOR_MODE.get(mode)))
+                     if dtype_name == ANCHOR_DTYPE else None)
         measured = median_ms is not None
         row = {
             "layer": name, "batch": batch, "dtype": dtype_name, "backend": backend, "mode": mode,
@@ -491,9 +527,10 @@ class Benchmark:
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Geometric means per dtype: % of floor per backend/mode, and the training step's
-    speedup over the anchor per backend, each over the cells every backend completed, so
-    backends are compared on one set."""
+    """Geometric means per dtype: % of floor per backend/mode, and the speedup of each
+    training-step mode with an anchor figure (eager, compiled) over the anchor's training step
+    per backend, each over the cells every backend completed, so backends are compared on
+    one set."""
     ok = [row for row in rows if row["status"] == "ok"]
     done = defaultdict(set)  # (dtype, mode, layer, batch) -> the backends that completed it
     for row in ok:
@@ -511,8 +548,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for row in filter(common, ok):
         if row["pct_of_floor"] is not None:
             pct[(row["dtype"], row["backend"], row["mode"])].append(row["pct_of_floor"])
-        if row["mode"] == "train" and row["speedup_vs_anchor"] is not None:
-            speedup[(row["dtype"], row["backend"])].append(row["speedup_vs_anchor"])
+        if row["mode"] != "forward" and row["speedup_vs_anchor"] is not None:
+            speedup[(row["dtype"], row["backend"], row["mode"])].append(row["speedup_vs_anchor"])
     statuses = defaultdict(int)
     for row in rows:
         statuses[row["status"]] += 1
@@ -524,9 +561,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             for (dtype, backend, mode), values in pct.items()
         ],
         "train_speedup_vs_anchor_geomean": [
-            {"dtype": dtype, "backend": backend, "geomean": geomean(values),
+            {"dtype": dtype, "backend": backend, "mode": mode, "geomean": geomean(values),
              "cells": len(values)}
-            for (dtype, backend), values in speedup.items()
+            for (dtype, backend, mode), values in speedup.items()
         ],
     }
 
@@ -538,8 +575,8 @@ def print_summary(summary: dict[str, Any]) -> None:
         print(f"geomean % of floor  {entry['dtype']:<9} {entry['backend']:<13} "
               f"{entry['mode']:<11} {entry['geomean']:7.2f}%  ({entry['cells']} cells)")
     for entry in summary["train_speedup_vs_anchor_geomean"]:
-        print(f"geomean train speedup vs anchor  {entry['dtype']:<9} {entry['backend']:<13} "
-              f"{entry['geomean']:6.3g}x  ({entry['cells']} cells)")
+        print(f"geomean speedup vs anchor's train  {entry['dtype']:<9} {entry['backend']:<13} "
+              f"{entry['mode']:<14} {entry['geomean']:6.3g}x  ({entry['cells']} cells)")
 
 
 def plot_rows(rows: list[dict[str, Any]], path: Path) -> bool:
@@ -661,10 +698,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", type=comma_list(str),
                         help="comma-separated backends, 'auto' allowed (default: every "
                              "available backend, each where it can serve)")
-    parser.add_argument("--modes", type=comma_list(str, MODES), default=list(MODES),
+    parser.add_argument("--modes", type=comma_list(str, MODES), default=list(DEFAULT_MODES),
                         help="comma-separated: forward, train, train_graph (the training "
-                             "step replayed as a CUDA graph; cuda backend on a GPU only) "
-                             "(default all)")
+                             "step replayed as a CUDA graph), train_compiled (the training "
+                             "step under torch.compile(mode='reduce-overhead')); the last two: "
+                             "cuda backend on a GPU only (default: all but train_compiled)")
     parser.add_argument("--warmup", type=int_at_least(0), default=3,
                         help="untimed calls per cell (default 3)")
     parser.add_argument("--repeats", type=int_at_least(1), default=20,

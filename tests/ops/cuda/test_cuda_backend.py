@@ -494,6 +494,51 @@ def test_make_graphed_callables_replays_layers_forward_and_backward():
     assert graphed_layer.last_backend == "cuda"
 
 
+def test_reduce_overhead_compiled_training_follows_eager():
+    # torch.compile(mode="reduce-overhead") records the compiled forward and backward as CUDA
+    # graphs (CUDA-graph trees) after an eager warm-up run: the custom ops must be capturable
+    # there, and replays must train as eager does, with a new batch every step.
+    import torch._dynamo
+
+    generator = torch.Generator().manual_seed(14)
+    geometry = random_geometry(generator, nin=60, nout=20, k=9, padding=0.1)
+    images = [torch.randn(17, 8, 60, generator=generator).to(DEVICE) for _ in range(4)]
+    targets = [torch.randn(17, 16, 20, generator=generator).to(DEVICE) for _ in range(4)]
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            knnconv.KNNConv(8, 16, geometry.knn_indices, geometry.rf_index, nin=60, v=9,
+                            backend="cuda"), torch.nn.GELU()).to(DEVICE)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train(forward, model, optimizer):
+        losses = []
+        for i in range(8):
+            torch.compiler.cudagraph_mark_step_begin()
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(forward(images[i % 4]).float(),
+                                                    targets[i % 4])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses, model[0].weight.detach().clone()
+
+    model, optimizer = build()
+    eager_losses, eager_weight = train(model, model, optimizer)
+    torch._dynamo.reset()
+    model, optimizer = build()
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    losses, weight = train(compiled, model, optimizer)
+    torch._dynamo.reset()
+    assert model[0].last_backend == "cuda"
+    for got, expected in zip(losses, eager_losses, strict=True):
+        assert abs(got - expected) <= 2e-2 * abs(expected) + 1e-4
+    assert rel_err(weight, eager_weight) < 1e-3
+    assert losses[-1] < losses[0]  # it trained
+
+
 @pytest.mark.parametrize("keep_relayout", [True, False])
 def test_compiled_network_on_the_gpu_matches_eager(keep_relayout):
     with knnconv.keep_input_relayout(keep_relayout):
