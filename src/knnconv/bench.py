@@ -247,11 +247,9 @@ def compiled_train_ms(plan: KNNConvPlan, inputs: CellInputs, backend: str,
     """Median ms of a training step (forward, then the gradients of x, weight and bias) of
     the layer compiled with torch.compile(mode="reduce-overhead"), timed as a user sees it.
     The warm-up (at least three calls) runs the step eagerly once, then records its graphs."""
-    import torch._dynamo
-
     # Dynamo caches a handful of compilations per function: each cell starts afresh, so none
     # falls back to eager for exceeding that limit.
-    torch._dynamo.reset()
+    torch.compiler.reset()
 
     def layer(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         return knn_conv_with_backend(x, weight, bias, plan, backend)[0]
@@ -264,7 +262,7 @@ def compiled_train_ms(plan: KNNConvPlan, inputs: CellInputs, backend: str,
 
     median_ms = time_calls(step, device, warmup=max(3, warmup), repeats=repeats,
                            reset=inputs.clear_grads)[0]
-    torch._dynamo.reset()
+    torch.compiler.reset()
     return median_ms
 
 
@@ -723,9 +721,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "backend instead of single layers (reference is skipped)")
     parser.add_argument("--resolution", type=int_at_least(1), default=64,
                         help="sensor resolution of the --model network")
+    parser.add_argument("--compile", action="store_true",
+                        help="with --model: also time each backend's network under "
+                             "torch.compile(mode='reduce-overhead') (CUDA graphs on a GPU)")
 
 
-def _model_step_row(args, device: torch.device, backend: str, batch: int) -> dict[str, Any]:
+def _model_step_row(args, device: torch.device, backend: str, batch: int,
+                    compiled: bool) -> dict[str, Any]:
     from . import models
 
     build = {"alexnet": models.foveated_alexnet, "resnet18": models.foveated_resnet18}[args.model]
@@ -734,41 +736,50 @@ def _model_step_row(args, device: torch.device, backend: str, batch: int) -> dic
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(batch, 3, len(model.sensor_coords), device=device)
     labels = torch.randint(0, 10, (batch,), device=device)
+    forward = model
+    if compiled:
+        torch.compiler.reset()  # each (backend, batch) compiles afresh
+        forward = torch.compile(model, mode="reduce-overhead", dynamic=False)
 
     def step():
+        if compiled:
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device.type, dtype=torch.float16, enabled=device.type == "cuda"):
-            loss = torch.nn.functional.cross_entropy(model(x), labels)
+            loss = torch.nn.functional.cross_entropy(forward(x), labels)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     note = None
-    try:
-        median_ms, status = time_calls(step, device, warmup=args.warmup,
-                                       repeats=args.repeats)[0], "ok"
+    try:  # a compiled step's warm-up runs eagerly once, then records its CUDA graphs
+        median_ms, status = time_calls(step, device, warmup=max(3, args.warmup) if compiled
+                                       else args.warmup, repeats=args.repeats)[0], "ok"
     except torch.cuda.OutOfMemoryError:
         median_ms, status = None, "oom"
     except ValueError as exc:  # a named backend that cannot serve this device or dtype
         median_ms, status, note = None, "unsupported", str(exc)
     ran = sorted({str(m.last_backend) for m in model.modules() if hasattr(m, "last_backend")})
     return {"model": args.model, "resolution": args.resolution, "batch": batch,
-            "backend": backend, "backend_ran": ",".join(ran), "status": status,
+            "backend": backend, "compiled": compiled, "backend_ran": ",".join(ran),
+            "status": status,
             "median_ms": median_ms, "note": note,
             "images_per_s": None if median_ms is None else batch / median_ms * 1e3}
 
 
 def model_step_rows(args, device: torch.device, backends: list[str]) -> list[dict[str, Any]]:
     """Images per second of a whole example network's training step (forward, backward, SGD
-    step; fp16 autocast on CUDA) per backend and batch."""
+    step; fp16 autocast on CUDA) per backend and batch, eager and (--compile) compiled."""
     rows = []
     for backend in backends:
         for batch in args.batches:
-            row = _model_step_row(args, device, backend, batch)
-            release_memory(device)
-            rows.append(row)
-            timing = (row["note"] or "-" if row["median_ms"] is None else
-                      f"{row['median_ms']:.3f} ms, {row['images_per_s']:.0f} images/s")
-            print(f"{args.model} B={batch} {backend:13} {row['status']}: {timing}")
+            for compiled in (False, True) if args.compile else (False,):
+                row = _model_step_row(args, device, backend, batch, compiled)
+                release_memory(device)
+                rows.append(row)
+                timing = (row["note"] or "-" if row["median_ms"] is None else
+                          f"{row['median_ms']:.3f} ms, {row['images_per_s']:.0f} images/s")
+                how = "compiled" if compiled else "eager"
+                print(f"{args.model} B={batch} {backend:13} {how:8} {row['status']}: {timing}")
     return rows
 
 

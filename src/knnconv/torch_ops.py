@@ -19,6 +19,16 @@ def _plan(handle: int) -> KNNConvPlan:
     return KNNConvPlan.from_handle(handle)
 
 
+# Inductor lays out a compiled graph's buffers from the fake implementations and asserts that
+# the real outputs have those strides, so each real output is put in the layout its fake
+# promises (a no-op where the backend already returns it): y node-major (a transposed view of
+# [B, Nout, Cout], as every backend returns it), gradients contiguous.
+def _node_major(y: torch.Tensor) -> torch.Tensor:
+    if y.transpose(1, 2).is_contiguous():
+        return y
+    return y.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 @torch.library.custom_op("knnconv::forward", mutates_args=())
 def forward_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: int,
                backend: str, dtype: torch.dtype, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,8 +39,8 @@ def forward_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     ops = get_ops(backend)
     y, saved_x = forward_impl(_plan(plan), ops, x, weight, bias, dtype, keep)
     if isinstance(saved_x, torch.Tensor):  # x itself: the backward takes it from its inputs
-        return y, x.new_empty(0)
-    return y, ops.saved_tensor(saved_x)
+        return _node_major(y), x.new_empty(0)
+    return _node_major(y), ops.saved_tensor(saved_x)
 
 
 @forward_op.register_fake
@@ -61,15 +71,15 @@ def backward_op(grad_y: torch.Tensor, x: torch.Tensor, saved: torch.Tensor,
     grad_x, grad_w, grad_b = backward_impl(layer, ops, grad_y, saved_x, weight,
                                            (need_x, need_w, need_b),
                                            (x.dtype, weight.dtype, bias_dtype), dtype)
-    return (grad_x if need_x else x.new_empty(0),
-            grad_w if need_w else weight.new_empty(0),
+    return (grad_x.contiguous() if need_x else x.new_empty(0),
+            grad_w.contiguous() if need_w else weight.new_empty(0),
             grad_b if need_b else weight.new_empty(0))
 
 
 @backward_op.register_fake
 def _(grad_y, x, saved, weight, plan, backend, dtype, need_x, need_w, bias_dtype):
-    return (torch.empty_like(x) if need_x else x.new_empty(0),
-            torch.empty_like(weight) if need_w else weight.new_empty(0),
+    return (x.new_empty(x.shape) if need_x else x.new_empty(0),
+            weight.new_empty(weight.shape) if need_w else weight.new_empty(0),
             weight.new_empty(_plan(plan).cout, dtype=bias_dtype) if bias_dtype is not None
             else weight.new_empty(0))
 

@@ -498,8 +498,6 @@ def test_reduce_overhead_compiled_training_follows_eager():
     # torch.compile(mode="reduce-overhead") records the compiled forward and backward as CUDA
     # graphs (CUDA-graph trees) after an eager warm-up run: the custom ops must be capturable
     # there, and replays must train as eager does, with a new batch every step.
-    import torch._dynamo
-
     generator = torch.Generator().manual_seed(14)
     geometry = random_geometry(generator, nin=60, nout=20, k=9, padding=0.1)
     images = [torch.randn(17, 8, 60, generator=generator).to(DEVICE) for _ in range(4)]
@@ -527,11 +525,11 @@ def test_reduce_overhead_compiled_training_follows_eager():
 
     model, optimizer = build()
     eager_losses, eager_weight = train(model, model, optimizer)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     model, optimizer = build()
     compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)
     losses, weight = train(compiled, model, optimizer)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     assert model[0].last_backend == "cuda"
     for got, expected in zip(losses, eager_losses, strict=True):
         assert abs(got - expected) <= 2e-2 * abs(expected) + 1e-4
