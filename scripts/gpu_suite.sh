@@ -9,7 +9,8 @@
 # pip wheel --no-deps "antlr4-python3-runtime==4.9.3" -w WHEEL_DIR; its other imports are
 # common).
 # Results (h200*.json/csv/png, networks.json, demo.png) land in OUTDIR; every stage's log, and
-# the neighbourhood, re-layout, torch_binned (h200_binned.*), host-path (host.json) and
+# the example networks' (h200_alexnet.json, h200_resnet18.json), neighbourhood, re-layout,
+# torch_binned (h200_binned.*), host-path (host.json) and
 # same-run anchor benchmarks' JSON/PNG (the anchor stage needs fovi, from WHEEL_DIR), in
 # OUTDIR/logs.tar.gz; each stage's exit status and time are summarised in OUTDIR/summary.txt.
 # KNNCONV_STAGES="tests bench ..." runs only the stages named (install and wheels always run).
@@ -42,6 +43,11 @@ stage tests 300 python3 -m pytest tests -m gpu -v -p no:cacheprovider --duration
 stage bench 150 python3 -m knnconv.bench --geometry "$geometry" --out "$out" --dtypes float16 \
   --backends reference,torch_compact,cuda --check --repeats 10 --warmup 2
 stage networks 60 python3 -m knnconv.bench_networks --geometry "$geometry" --out "$out"
+# the example networks' training steps, eager and under torch.compile(mode="reduce-overhead")
+stage models 240 sh -c "python3 -m knnconv bench --model alexnet --batches 32,128 \
+  --backends cuda --compile --repeats 10 --warmup 3 --out '$out/logs' --name h200 && \
+  python3 -m knnconv bench --model resnet18 --batches 32,128 --backends cuda --compile \
+  --repeats 10 --warmup 3 --out '$out/logs' --name h200"
 stage bench_bf16 60 python3 -m knnconv.bench --geometry "$geometry" --out "$out" \
   --dtypes bfloat16 --backends cuda --name h200_bf16 --repeats 10 --warmup 2
 rm -f "$out/h200_bf16.csv" "$out/h200_bf16.png"

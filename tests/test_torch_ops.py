@@ -70,10 +70,11 @@ def test_dynamic_batch_recompiles_at_most_once(rng):
 def test_opcheck(backend, rng):
     geometry = random_geometry(rng, nin=20, nout=7, k=5, v=9, padding=0.2)
     plan = geometry.plan(cin=3, cout=4)
-    x = torch.randn(2, 3, 20, generator=rng)
+    contiguous = torch.randn(2, 3, 20, generator=rng)
     weight = torch.randn(4, plan.q, generator=rng)
     bias = torch.randn(4, generator=rng)
-    for x in (x, x.transpose(1, 2).contiguous().transpose(1, 2)):  # and a transposed layout
+    transposed = contiguous.transpose(1, 2).contiguous().transpose(1, 2)
+    for x in (contiguous, transposed):
         forward_args = (x, weight, bias, plan.handle, backend, torch.float32, True)
         torch.library.opcheck(torch.ops.knnconv.forward.default, forward_args)
         y, saved = torch.ops.knnconv.forward(*forward_args)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .functional import _check_tensor
+from .persistent import build_persistent
 
 
 def check_features(x, nin: int, channels: int | None = None) -> None:
@@ -112,12 +113,16 @@ class NativeTableCache:
         if tables is None:
             from .ops.cuda.launch import reverse_tables
 
-            cells = slot_cells if slot_cells is not None else torch.zeros_like(knn_indices)
-            real = (knn_indices != nin).sum(dim=0).clamp_min(1)
-            tables = NativeTables(
-                knn=knn_indices.to(torch.int32).contiguous(),
-                cells=None if slot_cells is None else slot_cells.to(torch.int32).contiguous(),
-                reverse=reverse_tables(knn_indices, cells.t(), nin),
-                scale=(1.0 / real.to(torch.float32)).contiguous())
+            def build() -> NativeTables:
+                cells = slot_cells if slot_cells is not None else torch.zeros_like(knn_indices)
+                real = (knn_indices != nin).sum(dim=0).clamp_min(1)
+                return NativeTables(
+                    knn=knn_indices.to(torch.int32).contiguous(),
+                    cells=(None if slot_cells is None
+                           else slot_cells.to(torch.int32).contiguous()),
+                    reverse=reverse_tables(knn_indices, cells.t(), nin),
+                    scale=(1.0 / real.to(torch.float32)).contiguous())
+
+            tables = build_persistent(knn_indices.device, build)
             self._tables = {key: tables}  # one device at a time; a move replaces it
         return tables

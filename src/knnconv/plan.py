@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .persistent import build_persistent
+
 INT32_MAX = 2**31 - 1
 # Plans by integer handle: the handle names a plan inside torch.library op calls.
 _plans_by_handle: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -183,10 +185,9 @@ class KNNConvPlan:
                 tables = self._per_device.get(device)
                 if tables is None:
                     host = self._host
-                    tables = DeviceTables(
+                    tables = build_persistent(device, lambda: DeviceTables(
                         *(t.to(device) for t in (host.knn_indices, host.rf_index,
-                                                 host.input_linear, host.weight_linear))
-                    )
+                                                 host.input_linear, host.weight_linear))))
                     self._per_device[device] = tables
         return tables
 
@@ -199,7 +200,7 @@ class KNNConvPlan:
             with self._lock:
                 value = tables.derived.get(key)
                 if value is None:
-                    value = build(tables)
+                    value = build_persistent(tables.knn_indices.device, lambda: build(tables))
                     tables.derived[key] = value
         return value
 
