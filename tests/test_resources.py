@@ -6,10 +6,12 @@ import collections
 import itertools
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
+import knnconv.plan
 from conftest import CPU_BACKENDS, random_geometry, random_inputs
 from knnconv import knn_conv
 from knnconv.ops.cuda import _RecentLaunches
@@ -57,6 +59,25 @@ def test_derived_builds_once_under_racing_threads(plan):
 
     assert len(builds) == 1
     assert all(result is results[0] for result in results)
+
+
+def test_a_build_on_another_thread_may_derive_more_tables_of_its_plan(plan, monkeypatch):
+    # On a GPU, builds run on knnconv.persistent's thread (torch_binned's device tables are
+    # derived from its host tables there): nothing may hold a lock the build needs meanwhile.
+    builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="builder")
+
+    def on_the_builder(device, build):  # as knnconv.persistent: inline on the builder itself
+        if threading.current_thread().name.startswith("builder"):
+            return build()
+        return builder.submit(build).result(timeout=10)
+
+    monkeypatch.setattr(knnconv.plan, "build_persistent", on_the_builder)
+
+    def outer(tables):
+        return ("outer", plan.derived("cpu", "test.inner", lambda tables: "inner"))
+
+    assert plan.derived("cpu", "test.outer", outer) == ("outer", "inner")
+    builder.shutdown()
 
 
 def test_tables_copy_once_per_device_under_racing_threads(plan):

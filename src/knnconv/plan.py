@@ -13,6 +13,7 @@ import itertools
 import threading
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,8 +148,42 @@ class KNNConvPlan:
             weight_linear,
         )
         self._per_device: dict[torch.device, DeviceTables] = {torch.device("cpu"): self._host}
-        self._lock = threading.RLock()
+        self._start_building()
         self._register()
+
+    def _start_building(self) -> None:
+        # Builds in progress: (cache id, key) -> the Future later callers wait on. The lock
+        # guards this map only; no lock is held while a build runs, since a build runs on
+        # another thread (knnconv.persistent) and may itself build host tables of this plan.
+        self._building_lock = threading.Lock()
+        self._building: dict[tuple[int, Any], Future] = {}
+
+    def _build_once(self, cache: dict, key: Any, device: torch.device, build: Callable[[], Any]):
+        """cache[key], built by the first caller with ``build_persistent(device, build)``;
+        callers arriving meanwhile wait for that build's result (or its exception)."""
+        claim = (id(cache), key)
+        with self._building_lock:
+            value = cache.get(key)
+            if value is not None:
+                return value
+            pending = self._building.get(claim)
+            owner = pending is None
+            if owner:
+                pending = self._building[claim] = Future()
+        if not owner:
+            return pending.result()
+        try:
+            value = build_persistent(device, build)
+        except BaseException as exc:
+            with self._building_lock:
+                del self._building[claim]
+            pending.set_exception(exc)
+            raise
+        with self._building_lock:
+            cache[key] = value
+            del self._building[claim]
+        pending.set_result(value)
+        return value
 
     def _register(self) -> None:
         self.handle = next(_handles)
@@ -163,15 +198,15 @@ class KNNConvPlan:
 
     def __getstate__(self) -> dict:
         # Pickling and deep copies carry the host tables and what was derived from them on the
-        # host; device copies (with their derived tables) and the lock are rebuilt on use.
+        # host; device copies (with their derived tables) are rebuilt on use.
         state = self.__dict__.copy()
-        del state["_lock"]
+        del state["_building_lock"], state["_building"]
         state["_per_device"] = {torch.device("cpu"): self._host}
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._lock = threading.RLock()
+        self._start_building()
         self._register()
 
     def on(self, device: torch.device | str) -> DeviceTables:
@@ -181,14 +216,10 @@ class KNNConvPlan:
             device = torch.device("cuda", torch.cuda.current_device())
         tables = self._per_device.get(device)
         if tables is None:
-            with self._lock:
-                tables = self._per_device.get(device)
-                if tables is None:
-                    host = self._host
-                    tables = build_persistent(device, lambda: DeviceTables(
-                        *(t.to(device) for t in (host.knn_indices, host.rf_index,
-                                                 host.input_linear, host.weight_linear))))
-                    self._per_device[device] = tables
+            host = self._host
+            tables = self._build_once(self._per_device, device, device, lambda: DeviceTables(
+                *(t.to(device) for t in (host.knn_indices, host.rf_index, host.input_linear,
+                                         host.weight_linear))))
         return tables
 
     def derived(self, device: torch.device | str, key: str,
@@ -197,11 +228,8 @@ class KNNConvPlan:
         tables = self.on(device)
         value = tables.derived.get(key)
         if value is None:
-            with self._lock:
-                value = tables.derived.get(key)
-                if value is None:
-                    value = build_persistent(tables.knn_indices.device, lambda: build(tables))
-                    tables.derived[key] = value
+            value = self._build_once(tables.derived, key, tables.knn_indices.device,
+                                     lambda: build(tables))
         return value
 
     @property
