@@ -11,9 +11,10 @@ run them on.
 from __future__ import annotations
 
 import math
-import operator
 
 import torch
+
+from .plan import _check_positive
 
 __all__ = ["foveated_coords", "foveated_stack", "knn_geometry"]
 
@@ -52,8 +53,8 @@ def knn_geometry(in_coords, out_coords, k, *, ref_side=None):
     """
     in_points = _as_coords(in_coords, "in_coords")
     out_points = _as_coords(out_coords, "out_coords")
-    k = _positive_int(k, "k")
-    side = math.isqrt(k - 1) + 1 if ref_side is None else _positive_int(ref_side, "ref_side")
+    k = _check_positive("k", k)
+    side = math.isqrt(k - 1) + 1 if ref_side is None else _check_positive("ref_side", ref_side)
 
     n_in = in_points.shape[0]
     n_real = min(k, n_in)
@@ -135,8 +136,8 @@ def foveated_stack(resolution=64, a=0.5, levels=5):
     Returns:
         list of ``levels`` float64 tensors ``[N_l, 2]``.
     """
-    resolution = _positive_int(resolution, "resolution")
-    levels = _positive_int(levels, "levels")
+    resolution = _check_positive("resolution", resolution)
+    levels = _check_positive("levels", levels)
     target_points = math.pi / 4.0 * resolution**2
     n_rings = 1
     while sum(_ring_layout(n_rings, a, 1.0)[1]) < target_points:
@@ -155,7 +156,7 @@ def foveated_stack(resolution=64, a=0.5, levels=5):
 
 def _ring_layout(n_rings, a, fov_radius):
     """Radii and point counts of the rings of :func:`foveated_coords`."""
-    n_rings = _positive_int(n_rings, "n_rings")
+    n_rings = _check_positive("n_rings", n_rings)
     a = _positive_float(a, "a")
     fov_radius = _positive_float(fov_radius, "fov_radius")
     if n_rings == 1:
@@ -195,18 +196,6 @@ def _as_coords(coords, name):
     if not torch.isfinite(points).all():
         raise ValueError(f"{name} must contain only finite coordinates")
     return points
-
-
-def _positive_int(value, name):
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        as_int = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer, got {value!r}") from None
-    if as_int < 1:
-        raise ValueError(f"{name} must be >= 1, got {as_int}")
-    return as_int
 
 
 def _positive_float(value, name):
