@@ -227,6 +227,12 @@ def test_compiled_steps_compare_with_the_anchors_training_step_and_replays_with_
                                  "train_compiled": "train"}
 
 
+def test_compile_without_a_model_is_refused(tmp_path, capsys):
+    assert bench.main(["--compile", "--out", str(tmp_path)]) == 2
+    assert "--model" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
 def test_compiled_steps_are_opt_in():
     parser = bench.argparse.ArgumentParser()
     bench.add_arguments(parser)

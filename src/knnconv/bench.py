@@ -793,6 +793,10 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown backend(s) {unknown}; choose 'auto' or from {known}", file=sys.stderr)
         return 2
+    if args.compile and args.model is None:
+        print("--compile times whole networks: give --model too (single layers: "
+              "--modes train_compiled)", file=sys.stderr)
+        return 2
     if args.model is not None:
         rows = model_step_rows(args, device, [b for b in backends if b != "reference"])
         args.out.mkdir(parents=True, exist_ok=True)
