@@ -35,9 +35,12 @@ def test_on_a_gpu_the_builder_thread_builds_on_its_stream_after_the_callers_work
         pytest.skip("no CUDA device")
     device = torch.device("cuda", torch.cuda.current_device())
     source = torch.empty(1 << 22, device=device)
-    source.fill_(3.0)  # queued on the caller's stream; the build must see it
+    # Queued behind ~50 ms of the caller's stream: a build not ordered after it reads garbage
+    torch.cuda._sleep(10**8)
+    source.fill_(3.0)
 
     def build():
+        torch.cuda._sleep(10**8)  # the caller must wait for the build's stream too
         return threading.current_thread().name, source * 2, persistent.build_persistent(
             device, lambda: threading.current_thread().name)  # nested: inline
 

@@ -80,6 +80,31 @@ def test_a_build_on_another_thread_may_derive_more_tables_of_its_plan(plan, monk
     builder.shutdown()
 
 
+def test_a_build_needing_its_own_result_raises_instead_of_waiting_forever(plan):
+    outcome = []
+
+    def first_use():
+        try:
+            plan.derived("cpu", "test.self", lambda tables: plan.derived(
+                "cpu", "test.self", lambda tables: "never"))
+        except RuntimeError as exc:
+            outcome.append(str(exc))
+
+    thread = threading.Thread(target=first_use)
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and "test.self" in outcome[0]
+
+
+def test_a_failed_build_is_raised_and_a_later_call_builds_again(plan):
+    def broken(tables):
+        raise ValueError("no tables today")
+
+    with pytest.raises(ValueError, match="no tables today"):
+        plan.derived("cpu", "test.retry", broken)
+    assert plan.derived("cpu", "test.retry", lambda tables: "built") == "built"
+
+
 def test_tables_copy_once_per_device_under_racing_threads(plan):
     results = race(lambda _: plan.on("meta"))
 

@@ -260,10 +260,11 @@ def compiled_train_ms(plan: KNNConvPlan, inputs: CellInputs, backend: str,
         torch.compiler.cudagraph_mark_step_begin()
         compiled(inputs.x, inputs.weight, inputs.bias).backward(inputs.grad_y)
 
-    median_ms = time_calls(step, device, warmup=max(3, warmup), repeats=repeats,
-                           reset=inputs.clear_grads)[0]
-    torch.compiler.reset()
-    return median_ms
+    try:
+        return time_calls(step, device, warmup=max(3, warmup), repeats=repeats,
+                          reset=inputs.clear_grads)[0]
+    finally:
+        torch.compiler.reset()  # frees the recorded graphs and their memory pool
 
 
 def _copy_ms(device: torch.device) -> float:
@@ -758,6 +759,9 @@ def _model_step_row(args, device: torch.device, backend: str, batch: int,
         median_ms, status = None, "oom"
     except ValueError as exc:  # a named backend that cannot serve this device or dtype
         median_ms, status, note = None, "unsupported", str(exc)
+    finally:
+        if compiled:
+            torch.compiler.reset()  # the recorded graphs' memory must not outlive the row
     ran = sorted({str(m.last_backend) for m in model.modules() if hasattr(m, "last_backend")})
     return {"model": args.model, "resolution": args.resolution, "batch": batch,
             "backend": backend, "compiled": compiled, "backend_ran": ",".join(ran),

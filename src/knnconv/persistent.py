@@ -6,10 +6,12 @@ CUDA-graph trees), then refuses to record the graph if tensors allocated there o
 call without being its outputs. A plan's device tables, and what backends derive from them,
 are built at first use, possibly inside such a call, and live as long as the plan: on a CUDA
 device they are built by a thread of their own on a stream of their own, which no pool
-claims (whether a pool takes a thread's or a stream's allocations, as PyTorch versions
-differ). The calling stream waits for the build before it uses the tables, and the tables'
-memory is reused only after the calling stream's work queued when they are freed (as if the
-caller had allocated them).
+claims whether it takes a thread's allocations (PyTorch 2.8 on) or a stream's (before: the
+builder's stream is a high-priority one, never one of the default-priority streams a
+warm-up is handed). The calling stream waits for the build before it uses the tables, and
+the tables' memory is reused only after the calling stream's work queued when they are
+freed (as if the caller had allocated them); other streams are not ordered after a first
+use. Memory the builder's stream caches serves only its later builds.
 """
 
 from __future__ import annotations
@@ -48,15 +50,20 @@ def _build_on_own_stream(device: torch.device, caller: torch.cuda.Stream,
     streams = _builder_state.streams
     stream = streams.get(device)
     if stream is None:
-        stream = streams[device] = torch.cuda.Stream(device)
+        stream = streams[device] = torch.cuda.Stream(device, priority=-1)
     stream.wait_stream(caller)  # the build reads what the caller's stream produced
     with torch.cuda.device(device), torch.cuda.stream(stream):
         value = build()
     return value, stream.record_event()
 
 
+def on_builder_thread() -> bool:
+    return getattr(_builder_state, "active", False)
+
+
 def _tensors(value: Any):
-    """The tensors in a built value: tensors, tuples and lists, dicts, dataclasses."""
+    """The tensors in a built value: tensors, tuples and lists, dicts, dataclasses (what
+    builds return; tensors inside other objects would not be found)."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (tuple, list)):
@@ -74,7 +81,7 @@ def build_persistent(device: torch.device, build: Callable[[], T]) -> T:
     """``build()``, run where its CUDA allocations stay out of CUDA-graph memory pools (see the
     module docstring); inline on other devices, on the builder thread itself, and while the
     current stream is being captured (a first use there fails by design: warm up first)."""
-    if (device.type != "cuda" or getattr(_builder_state, "active", False)
+    if (device.type != "cuda" or on_builder_thread()
             or torch.cuda.is_current_stream_capturing()):
         return build()
     caller = torch.cuda.current_stream(device)

@@ -10,17 +10,18 @@ backend derives (launch buffers, reverse maps) are built once per device through
 from __future__ import annotations
 
 import itertools
+import operator
 import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from .persistent import build_persistent
+from .persistent import build_persistent, on_builder_thread
 
 INT32_MAX = 2**31 - 1
 # Plans by integer handle: the handle names a plan inside torch.library op calls.
@@ -42,11 +43,16 @@ def _as_index_tensor(name: str, table: Any) -> torch.Tensor:
 
 
 def _check_positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return int(value)
+    """value as an int >= 1: any integer (numpy's, a 0-d integer tensor), not a bool."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        as_int = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if as_int < 1:
+        raise ValueError(f"{name} must be >= 1, got {as_int}")
+    return as_int
 
 
 def check_knn_indices(knn_indices: torch.Tensor, nin: int) -> None:
@@ -152,38 +158,61 @@ class KNNConvPlan:
         self._register()
 
     def _start_building(self) -> None:
-        # Builds in progress: (cache id, key) -> the Future later callers wait on. The lock
-        # guards this map only; no lock is held while a build runs, since a build runs on
-        # another thread (knnconv.persistent) and may itself build host tables of this plan.
+        # Builds in progress: (cache id, key) -> (the building thread, the Future later callers
+        # wait on). The lock guards this map and the caches' writes only; no lock is held while
+        # a build runs, since a build runs on another thread (knnconv.persistent) and may itself
+        # build host tables of this plan.
         self._building_lock = threading.Lock()
-        self._building: dict[tuple[int, Any], Future] = {}
+        self._building: dict[tuple[int, Any], tuple[int, Future]] = {}
 
     def _build_once(self, cache: dict, key: Any, device: torch.device, build: Callable[[], Any]):
         """cache[key], built by the first caller with ``build_persistent(device, build)``;
-        callers arriving meanwhile wait for that build's result (or its exception)."""
+        callers arriving meanwhile wait for that build's result (or its error). The tables are
+        ordered after the build on the building caller's stream (see knnconv.persistent)."""
         claim = (id(cache), key)
+        me = threading.get_ident()
         with self._building_lock:
             value = cache.get(key)
             if value is not None:
                 return value
             pending = self._building.get(claim)
-            owner = pending is None
-            if owner:
-                pending = self._building[claim] = Future()
+            if pending is None:
+                pending = self._building[claim] = (me, Future())
+                owner = True
+            else:
+                owner = False
+        builder, future = pending
         if not owner:
-            return pending.result()
+            if builder == me:
+                raise RuntimeError(f"building the plan's {key!r} tables needs them built")
+            if not on_builder_thread():
+                return future.result()
+            # The table thread must not wait for a caller who may be waiting for it: it
+            # builds too, and the first result stored is everyone's.
         try:
             value = build_persistent(device, build)
-        except BaseException as exc:
-            with self._building_lock:
-                del self._building[claim]
-            pending.set_exception(exc)
+        except Exception as exc:
+            self._end_build(claim, future, owner, error=exc)
+            raise
+        except BaseException:  # an interrupt: waiting threads get an error of their own
+            self._end_build(claim, future, owner,
+                            error=RuntimeError(f"building the plan's {key!r} tables stopped"))
             raise
         with self._building_lock:
-            cache[key] = value
-            del self._building[claim]
-        pending.set_result(value)
+            value = cache.setdefault(key, value)
+        self._end_build(claim, future, owner, value=value)
         return value
+
+    def _end_build(self, claim, future: Future, owner: bool, *, value: Any = None,
+                   error: BaseException | None = None) -> None:
+        if not owner:
+            return
+        with self._building_lock:
+            del self._building[claim]
+        if error is None:
+            future.set_result(value)
+        else:
+            future.set_exception(error)
 
     def _register(self) -> None:
         self.handle = next(_handles)
@@ -201,7 +230,9 @@ class KNNConvPlan:
         # host; device copies (with their derived tables) are rebuilt on use.
         state = self.__dict__.copy()
         del state["_building_lock"], state["_building"]
-        state["_per_device"] = {torch.device("cpu"): self._host}
+        with self._building_lock:  # a snapshot: another thread may be adding a derived table
+            host = replace(self._host, derived=dict(self._host.derived))
+        state["_host"], state["_per_device"] = host, {torch.device("cpu"): host}
         return state
 
     def __setstate__(self, state: dict) -> None:
