@@ -56,6 +56,29 @@ def test_inductor_compiled_network_matches_eager(backend, rng):
         assert rel_err(got, expected) < 1e-12
 
 
+def test_inductor_takes_a_registered_backends_channel_major_output(rng, monkeypatch):
+    # a backend may return y contiguous as [B, Cout, Nout]; the op hands inductor the layout
+    # its fake promises
+    from knnconv.ops.torch_compact import TorchCompactOps
+
+    class ChannelMajorOps(TorchCompactOps):
+        name = "channel_major"
+
+        def forward(self, plan, x, weight, bias):
+            return super().forward(plan, x, weight, bias).contiguous()
+
+    ops = ChannelMajorOps()
+    monkeypatch.setitem(knnconv.ops.registry._REGISTRY, ops.name, ops)
+    model = small_network(ops.name, rng)
+    x = torch.randn(5, 3, 30, generator=rng, dtype=torch.float64)
+    eager = gradients(model, x)
+    assert model[0](x).is_contiguous()  # eager hands the backend's layout on
+    torch.compiler.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="inductor")
+    for got, expected in zip(gradients(compiled, x), eager, strict=True):
+        assert rel_err(got, expected) < 1e-12
+
+
 def test_dynamic_batch_recompiles_at_most_once(rng):
     model = small_network("torch_compact", rng)
     counter = CompileCounterWithBackend("aot_eager")

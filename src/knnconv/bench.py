@@ -10,6 +10,7 @@ against a roofline floor built from ceilings measured in the same run, and again
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
@@ -21,6 +22,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -242,29 +244,37 @@ def graph_replay_ms(step: Callable[[], Any], device: torch.device, *, warmup: in
     return median_ms, result
 
 
+# A reduce-overhead step's warm-up calls: the first runs eagerly, the next record the graphs.
+COMPILED_WARMUP = 3
+
+
+@contextlib.contextmanager
+def reduce_overhead(function: Callable, **options):
+    """``function`` under torch.compile(mode="reduce-overhead", dynamic=False), compiled
+    afresh (Dynamo keeps a handful of compilations per code object: a benchmark compiling
+    many shapes would otherwise fall back to eager) and its recorded graphs and their memory
+    pool freed after the block."""
+    torch.compiler.reset()
+    try:
+        yield torch.compile(function, mode="reduce-overhead", dynamic=False, **options)
+    finally:
+        torch.compiler.reset()
+
+
 def compiled_train_ms(plan: KNNConvPlan, inputs: CellInputs, backend: str,
                       device: torch.device, *, warmup: int, repeats: int) -> float:
     """Median ms of a training step (forward, then the gradients of x, weight and bias) of
-    the layer compiled with torch.compile(mode="reduce-overhead"), timed as a user sees it.
-    The warm-up (at least three calls) runs the step eagerly once, then records its graphs."""
-    # Dynamo caches a handful of compilations per function: each cell starts afresh, so none
-    # falls back to eager for exceeding that limit.
-    torch.compiler.reset()
-
+    the layer compiled with torch.compile(mode="reduce-overhead"), timed as a user sees it."""
     def layer(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         return knn_conv_with_backend(x, weight, bias, plan, backend)[0]
 
-    compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    with reduce_overhead(layer, fullgraph=True) as compiled:
+        def step() -> None:
+            torch.compiler.cudagraph_mark_step_begin()
+            compiled(inputs.x, inputs.weight, inputs.bias).backward(inputs.grad_y)
 
-    def step() -> None:
-        torch.compiler.cudagraph_mark_step_begin()
-        compiled(inputs.x, inputs.weight, inputs.bias).backward(inputs.grad_y)
-
-    try:
-        return time_calls(step, device, warmup=max(3, warmup), repeats=repeats,
+        return time_calls(step, device, warmup=max(COMPILED_WARMUP, warmup), repeats=repeats,
                           reset=inputs.clear_grads)[0]
-    finally:
-        torch.compiler.reset()  # frees the recorded graphs and their memory pool
 
 
 def _copy_ms(device: torch.device) -> float:
@@ -737,12 +747,8 @@ def _model_step_row(args, device: torch.device, backend: str, batch: int,
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(batch, 3, len(model.sensor_coords), device=device)
     labels = torch.randint(0, 10, (batch,), device=device)
-    forward = model
-    if compiled:
-        torch.compiler.reset()  # each (backend, batch) compiles afresh
-        forward = torch.compile(model, mode="reduce-overhead", dynamic=False)
 
-    def step():
+    def step(forward):
         if compiled:
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device.type, dtype=torch.float16, enabled=device.type == "cuda"):
@@ -752,16 +758,15 @@ def _model_step_row(args, device: torch.device, backend: str, batch: int,
         optimizer.zero_grad(set_to_none=True)
 
     note = None
-    try:  # a compiled step's warm-up runs eagerly once, then records its CUDA graphs
-        median_ms, status = time_calls(step, device, warmup=max(3, args.warmup) if compiled
-                                       else args.warmup, repeats=args.repeats)[0], "ok"
+    try:
+        with (reduce_overhead(model) if compiled else contextlib.nullcontext(model)) as forward:
+            warmup = max(COMPILED_WARMUP, args.warmup) if compiled else args.warmup
+            median_ms, status = time_calls(partial(step, forward), device, warmup=warmup,
+                                           repeats=args.repeats)[0], "ok"
     except torch.cuda.OutOfMemoryError:
         median_ms, status = None, "oom"
     except ValueError as exc:  # a named backend that cannot serve this device or dtype
         median_ms, status, note = None, "unsupported", str(exc)
-    finally:
-        if compiled:
-            torch.compiler.reset()  # the recorded graphs' memory must not outlive the row
     ran = sorted({str(m.last_backend) for m in model.modules() if hasattr(m, "last_backend")})
     return {"model": args.model, "resolution": args.resolution, "batch": batch,
             "backend": backend, "compiled": compiled, "backend_ran": ",".join(ran),

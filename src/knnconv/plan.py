@@ -42,14 +42,18 @@ def _as_index_tensor(name: str, table: Any) -> torch.Tensor:
     return table
 
 
+def _as_index(value: Any) -> int | None:
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _check_positive(name: str, value: Any) -> int:
     """value as an int >= 1: any integer (numpy's, a 0-d integer tensor), not a bool."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        as_int = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    as_int = None if isinstance(value, bool) else _as_index(value)
+    if as_int is None:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if as_int < 1:
         raise ValueError(f"{name} must be >= 1, got {as_int}")
     return as_int
@@ -169,50 +173,41 @@ class KNNConvPlan:
         """cache[key], built by the first caller with ``build_persistent(device, build)``;
         callers arriving meanwhile wait for that build's result (or its error). The tables are
         ordered after the build on the building caller's stream (see knnconv.persistent)."""
-        claim = (id(cache), key)
-        me = threading.get_ident()
+        claim, me = (id(cache), key), threading.get_ident()
         with self._building_lock:
             value = cache.get(key)
             if value is not None:
                 return value
-            pending = self._building.get(claim)
-            if pending is None:
-                pending = self._building[claim] = (me, Future())
-                owner = True
-            else:
-                owner = False
-        builder, future = pending
-        if not owner:
+            underway = self._building.get(claim)
+            if underway is None:
+                future = Future()
+                self._building[claim] = (me, future)
+        if underway is not None:
+            builder, future = underway
             if builder == me:
                 raise RuntimeError(f"building the plan's {key!r} tables needs them built")
             if not on_builder_thread():
                 return future.result()
-            # The table thread must not wait for a caller who may be waiting for it: it
-            # builds too, and the first result stored is everyone's.
+            # The table thread must not wait for a caller who may be waiting for it: it builds
+            # too (inline, being that thread), and the first result stored is everyone's.
+            value = build()
+            with self._building_lock:
+                return cache.setdefault(key, value)
         try:
             value = build_persistent(device, build)
-        except Exception as exc:
-            self._end_build(claim, future, owner, error=exc)
-            raise
-        except BaseException:  # an interrupt: waiting threads get an error of their own
-            self._end_build(claim, future, owner,
-                            error=RuntimeError(f"building the plan's {key!r} tables stopped"))
+        except BaseException as exc:
+            # an interrupt is this thread's own: waiting threads get an error of their own
+            error = exc if isinstance(exc, Exception) else RuntimeError(
+                f"building the plan's {key!r} tables stopped")
+            with self._building_lock:
+                del self._building[claim]
+            future.set_exception(error)
             raise
         with self._building_lock:
             value = cache.setdefault(key, value)
-        self._end_build(claim, future, owner, value=value)
-        return value
-
-    def _end_build(self, claim, future: Future, owner: bool, *, value: Any = None,
-                   error: BaseException | None = None) -> None:
-        if not owner:
-            return
-        with self._building_lock:
             del self._building[claim]
-        if error is None:
-            future.set_result(value)
-        else:
-            future.set_exception(error)
+        future.set_result(value)
+        return value
 
     def _register(self) -> None:
         self.handle = next(_handles)

@@ -21,8 +21,8 @@ def _plan(handle: int) -> KNNConvPlan:
 
 # Inductor lays out a compiled graph's buffers from the fake implementations and asserts that
 # the real outputs have those strides, so each real output is put in the layout its fake
-# promises (a no-op where the backend already returns it): y node-major (a transposed view of
-# [B, Nout, Cout], as every backend returns it), gradients contiguous.
+# promises: y node-major (a transposed view of [B, Nout, Cout], as the built-in backends
+# return it; a registered backend may not), gradients contiguous. A no-op where they are.
 def _node_major(y: torch.Tensor) -> torch.Tensor:
     if y.transpose(1, 2).is_contiguous():
         return y
@@ -38,9 +38,9 @@ def forward_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
     ops = get_ops(backend)
     y, saved_x = forward_impl(_plan(plan), ops, x, weight, bias, dtype, keep)
-    if isinstance(saved_x, torch.Tensor):  # x itself: the backward takes it from its inputs
-        return _node_major(y), x.new_empty(0)
-    return _node_major(y), ops.saved_tensor(saved_x)
+    # x itself is not returned: the backward takes it from its inputs
+    saved = x.new_empty(0) if isinstance(saved_x, torch.Tensor) else ops.saved_tensor(saved_x)
+    return _node_major(y), saved
 
 
 @forward_op.register_fake
