@@ -40,8 +40,8 @@ if [ -n "${3:-}" ]; then
 fi
 nvidia-smi >"$out/logs/nvidia-smi.txt" 2>&1
 stage tests 300 python3 -m pytest tests -m gpu -v -p no:cacheprovider --durations=12
-stage bench 150 python3 -m knnconv.bench --geometry "$geometry" --out "$out" --dtypes float16 \
-  --backends reference,torch_compact,cuda --check --repeats 10 --warmup 2
+stage bench 240 python3 -m knnconv.bench --geometry "$geometry" --out "$out" --dtypes float16 \
+  --backends reference,torch_compact,cuda --check --repeats 30 --warmup 3
 stage networks 60 python3 -m knnconv.bench_networks --geometry "$geometry" --out "$out"
 # the example networks' training steps, eager and under torch.compile(mode="reduce-overhead")
 stage models 240 sh -c "python3 -m knnconv bench --model alexnet --batches 32,128 \

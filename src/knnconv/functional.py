@@ -66,6 +66,7 @@ def compute_dtype(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 _keep_input_relayout = False
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 def set_keep_input_relayout(enabled: bool) -> bool:
@@ -183,8 +184,9 @@ def knn_conv_with_backend(x, weight, bias, plan, backend="auto") -> tuple[torch.
         from .torch_ops import knn_conv_op
 
         return knn_conv_op(x, weight, bias, plan, ops.name, dtype, _keep_input_relayout), ops.name
-    if not autocasting:
+    with torch.autocast(device_type, enabled=False) if autocasting else _NO_CONTEXT:
+        # (autocast off inside: the backend must not recast) Without a gradient to compute
+        # there is no autograd node to record, and the impl runs without the Function's cost.
+        if not backward:
+            return forward_impl(plan, ops, x, weight, bias, dtype, False)[0], ops.name
         return KNNConvFunction.apply(x, weight, bias, plan, ops, dtype), ops.name
-    with torch.autocast(device_type, enabled=False):  # the backend must not recast inside
-        y = KNNConvFunction.apply(x, weight, bias, plan, ops, dtype)
-    return y, ops.name

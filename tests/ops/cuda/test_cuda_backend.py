@@ -225,13 +225,14 @@ def test_every_config_matches_reference(dtype, family):
         check_all_entries(*case, algorithm=algorithm, **{chosen: cfg})
 
 
-def test_a_strided_or_expanded_bias_is_read_as_its_values():
+def test_a_strided_expanded_or_other_dtype_bias_is_read_as_its_values():
     plan, x, weight, bias, _ = make_case(5, batch=20, cin=8, cout=24, dtype=torch.float16,
                                          nin=30, nout=12, k=9, padding=0.1)
     tables = plan.on(DEVICE)
     strided = torch.stack([bias, -bias], dim=1)[:, 0]  # stride 2
     expanded = bias[:1].expand(plan.cout)  # stride 0
-    for odd_bias in (strided, expanded, strided.float()):
+    # neither dtype the kernel reads (converted to fp32), strided, expanded, strided fp32
+    for odd_bias in (bias.double(), bias.bfloat16(), strided, expanded, strided.float()):
         y = knn_cuda.forward(x, weight, odd_bias, tables.input_linear, tables.weight_linear,
                              poison_output=True)
         expected = reference(plan, x, weight, odd_bias.to(x.dtype), x.new_zeros(

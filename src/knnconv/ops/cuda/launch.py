@@ -404,6 +404,7 @@ class ForwardLaunch:
         self.nodes_per_cta = _nodes_per_cta(nodes_per_cta, cfg, p64 // cfg.bk,
                                             grid_yz[0] * grid_yz[1], nout, device.index)
         self.cout, self.nout, self.p64, self.dtype = cout, nout, p64, dtype
+        self.y_shape, self.y_strides = (batch, cout, nout), (nout * cout, 1, cout)
         self.weight_layout = _weight_transposed(cout, q, self.cpad, dtype, dtype, device.index)
         wt_bytes = q * self.cpad * dtype.itemsize
         self.input_layout = _InputLayout(batch, cin, nin, bpad, dtype, dtype,
@@ -437,16 +438,19 @@ class ForwardLaunch:
         if weight.dtype != dtype:
             weight = weight.to(dtype)
         self.weight_layout(weight, wt, (0, weight.stride(0), weight.stride(1)))
-        shape = (self.batch, self.nout, self.cout)
-        y = (torch.full(shape, math.nan, dtype=dtype, device=x.device) if poison_output
-             else torch.empty(shape, dtype=dtype, device=x.device))
-        if bias is not None:  # the kernel reads bias[o]
+        # y [B, Cout, Nout] as the view of a [B, Nout, Cout] buffer it is returned as
+        y = torch.empty_strided(self.y_shape, self.y_strides, dtype=dtype, device=x.device)
+        if poison_output:
+            y.fill_(math.nan)
+        # the kernel reads bias[o]: converted only where it takes neither dtype (rare)
+        if bias is not None and (bias.dtype not in (dtype, torch.float32)
+                                 or not bias.is_contiguous()):
             bias = bias.to(self.bias_read_dtype(bias)).contiguous()
         self.gemm(saved.xt.data_ptr(), wt, input_linear.data_ptr(), weight_linear.data_ptr(), 0,
                   _pointer(bias), int(bias is not None and bias.dtype == torch.float32),
                   y.data_ptr(), self.batch, self.bpad, self.cout, self.cpad, self.nout, self.p64,
                   0, self.nodes_per_cta)
-        return y.transpose(1, 2), saved
+        return y, saved
 
 
 class BackwardLaunch:
