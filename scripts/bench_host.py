@@ -12,7 +12,10 @@ synchronised between rounds so its queue never fills):
 - the parts that no implementation of the op in Python can avoid: an autograd.Function whose
   forward and backward only allocate their outputs (the engine's own cost per step), torch's
   dispatch of one small kernel (`add_`), one `torch.empty`, and one knnconv launch through
-  its driver fast path (a 1-block re-layout).
+  its driver fast path (a 1-block re-layout);
+- where the training step's host time goes: the inclusive time per step of each stage of the
+  call (the autograd Function's forward and backward, the backend op, the launch plan's run,
+  the launches, memsets and allocations), each wrapped in a timer (~0.2 us a wrapper).
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from pathlib import Path
 import torch
 
 import knnconv
+import knnconv.functional
+import knnconv.ops.cuda
+import knnconv.ops.cuda.launch
 from knnconv.bench import load_geometry_dir, random_inputs, time_calls
 from knnconv.ops.cuda.launch import _Transpose
 
@@ -60,6 +66,61 @@ class AllocateOnly(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         return x.new_empty(x.shape), weight.new_empty(weight.shape), grad_y.new_empty(
             grad_y.shape[1]), None
+
+
+# (owner, attribute, label): the stages of an eager call whose inclusive host time is reported
+STAGES = (
+    (knnconv.functional.KNNConvFunction, "forward", "Function.forward"),
+    (knnconv.functional.KNNConvFunction, "backward", "Function.backward"),
+    (knnconv.ops.cuda.CudaOps, "forward_saving", "CudaOps.forward_saving"),
+    (knnconv.ops.cuda.CudaOps, "gradients", "CudaOps.gradients"),
+    (knnconv.ops.cuda.launch.ForwardLaunch, "run", "ForwardLaunch.run"),
+    (knnconv.ops.cuda.launch.BackwardLaunch, "run", "BackwardLaunch.run"),
+    (knnconv.ops.cuda.launch, "_launch", "kernel launches"),
+    (knnconv.ops.cuda.launch, "_zero", "memsets"),
+    (knnconv.ops.cuda.launch.torch, "empty", "torch.empty (any Python caller)"),
+    (knnconv.ops.cuda.launch.torch, "empty_strided", "torch.empty_strided (any caller)"),
+)
+
+
+def stage_breakdown(call, calls: int = 2000) -> dict[str, dict[str, float]]:
+    """{label: {"us_per_call", "count_per_call"}} of each stage of STAGES during ``call``."""
+    totals = {label: [0, 0] for *_, label in STAGES}
+    originals = []
+
+    def timed(function, label):
+        def wrapper(*args, **kwargs):
+            begin = time.perf_counter_ns()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                entry = totals[label]
+                entry[0] += time.perf_counter_ns() - begin
+                entry[1] += 1
+        return wrapper
+
+    for owner, name, label in STAGES:
+        original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        originals.append((owner, name, original))
+        wrapped = timed(original.__func__ if isinstance(original, staticmethod) else original,
+                        label)
+        setattr(owner, name, staticmethod(wrapped) if isinstance(original, staticmethod)
+                else wrapped)
+    try:
+        for _ in range(20):
+            call()
+        torch.cuda.synchronize()
+        for entry in totals.values():
+            entry[:] = [0, 0]
+        for index in range(calls):
+            call()
+            if index % 100 == 99:  # the GPU queue never fills
+                torch.cuda.synchronize()
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+    return {label: {"us_per_call": ns / calls / 1e3, "count_per_call": count / calls}
+            for label, (ns, count) in totals.items() if count}
 
 
 def main(argv: list[str]) -> None:
@@ -113,9 +174,16 @@ def main(argv: list[str]) -> None:
     }
     for name, value in {**rows, **as_timed}.items():
         print(f"{name:62s} {value:8.1f} us")
+    stages = {"training step": stage_breakdown(train),
+              "forward (no_grad)": stage_breakdown(forward)}
+    for call, breakdown in stages.items():
+        print(f"{call}, inclusive host time per call of each stage:")
+        for label, entry in breakdown.items():
+            print(f"  {label:40s} {entry['us_per_call']:8.1f} us  ({entry['count_per_call']:.0f}x)")
     out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                "layer": LAYER, "batch": BATCH, "dtype": "float16",
-                               "host_us": rows, "as_timed_us": as_timed}, indent=1))
+                               "host_us": rows, "as_timed_us": as_timed,
+                               "stages_us": stages}, indent=1))
     print(f"wrote {out}")
 
 

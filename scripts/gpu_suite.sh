@@ -68,7 +68,7 @@ stage host 60 python3 scripts/bench_host.py "$geometry" "$out/logs/host.json"
 stage neighbourhood 120 python3 scripts/bench_neighbourhood.py "$out/logs/neighbourhood.json"
 stage demo 60 python3 -m knnconv demo --out "$out/demo.png"
 stage profile 60 env KNNCONV_CPROFILE=1 python3 scripts/profile_cells.py "$geometry" \
-  rfmult-2:layer4.0.conv2:512 rfmult-2:conv1:2048
+  rfmult-2:layer4.0.conv2:512 rfmult-2:layer4.0.conv2:2048 rfmult-2:conv1:2048
 sections="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis"
 stage ncu 180 env KNNCONV_NCU=1 ncu $sections -k regex:knn_ -s 6 -c 4 python3 \
   scripts/profile_cells.py "$geometry" rfmult-2:conv1:2048 rfmult-1:layers.1.conv:2048
