@@ -10,6 +10,7 @@ nodes that have it as a real neighbour.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -101,15 +102,38 @@ class NativeTables:
 
 
 class NativeTableCache:
-    """A layer's NativeTables per (device, table storage): rebuilt when the buffers move."""
+    """A layer's NativeTables for its current table tensors: rebuilt when they change.
+
+    Keyed by the tensors' identity (weak references) and version counters, never by address:
+    a buffer moved away and back (``layer.cpu()``, edited, ``layer.cuda()``) may land at the
+    address of the one the tables were built from, with the same version.
+    """
 
     def __init__(self) -> None:
-        self._tables: dict[tuple, NativeTables] = {}
+        # (weak refs to the sources and their versions, the tables), replaced as one
+        self._entry: tuple[tuple, NativeTables] | None = None
+
+    def __getstate__(self) -> dict:
+        return {}  # weak references do not pickle; the tables are rebuilt on first use
+
+    def __setstate__(self, state: dict) -> None:
+        self._entry = None
+
+    @staticmethod
+    def _identify(*tensors: torch.Tensor | None) -> tuple:
+        return tuple(None if t is None else (weakref.ref(t), t._version) for t in tensors)
+
+    @staticmethod
+    def _same(source: tuple, *tensors: torch.Tensor | None) -> bool:
+        return all((t is None) == (held is None) and (
+            t is None or (held[0]() is t and held[1] == t._version))
+            for t, held in zip(tensors, source, strict=True))
 
     def get(self, knn_indices: torch.Tensor, nin: int,
             slot_cells: torch.Tensor | None = None) -> NativeTables:
-        key = (knn_indices.device, knn_indices.data_ptr(), knn_indices._version)
-        tables = self._tables.get(key)
+        entry = self._entry
+        tables = entry[1] if entry is not None and self._same(
+            entry[0], knn_indices, slot_cells) else None
         if tables is None:
             from .ops.cuda.launch import reverse_tables
 
@@ -124,5 +148,6 @@ class NativeTableCache:
                     scale=(1.0 / real.to(torch.float32)).contiguous())
 
             tables = build_persistent(knn_indices.device, build)
-            self._tables = {key: tables}  # one device at a time; a move replaces it
+            # one device at a time; a move replaces it
+            self._entry = (self._identify(knn_indices, slot_cells), tables)
         return tables
