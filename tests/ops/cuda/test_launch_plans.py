@@ -23,12 +23,26 @@ def plans(monkeypatch):
     monkeypatch.setattr(launch, "_shared_memory_limit", lambda index: 227 * 1024)
     monkeypatch.setattr(launch, "_multiprocessors", lambda index: 132)
 
-    def backward(algorithm, cin, grad_dtype, need_weight=True):
+    def backward(algorithm, cin, grad_dtype, need_weight=True, batch_padding=None):
         return launch.BackwardLaunch(
             batch=17, cin=cin, nin=70, cout=65, nout=31, q=cin * 9, p64=-(-cin * 9 // 64) * 64,
             dtype=torch.float16, device=torch.device("cuda", 0), need_weight=need_weight,
-            algorithm=algorithm, grad_dtypes=(grad_dtype, torch.float32, torch.float32))
+            algorithm=algorithm, grad_dtypes=(grad_dtype, torch.float32, torch.float32),
+            batch_padding=batch_padding)
     return backward
+
+
+@pytest.mark.parametrize("algorithm", ["gather", "scatter"])
+def test_the_workspace_holds_x_relayout_unless_a_forward_kept_one(plans, algorithm):
+    cin = 40 if algorithm == "gather" else 3
+    fresh = plans(algorithm, cin, torch.float16)
+    # before the zeroed accumulators: poisoned on first use, then written whole
+    assert fresh.xt_at is not None and fresh.xt_at < fresh.zero_from
+    kept = plans(algorithm, cin, torch.float16, batch_padding=fresh.bpad)
+    assert kept.xt_at is None
+    assert fresh.workspace_bytes - kept.workspace_bytes >= (cin * 70 + 1) * fresh.bpad * 2
+    assert plans(algorithm, cin, torch.float16, need_weight=False).workspace_bytes < (
+        kept.workspace_bytes)
 
 
 def test_a_gathered_dx_is_staged_in_its_own_dtype_when_that_is_the_compute_dtype(plans):

@@ -295,19 +295,28 @@ class _InputLayout:
         self.transpose = _Transpose(src_dtype, dtype, device_index, (1, batch, rows),
                                     (1, bpad, rows + 1), (0, bpad))
 
-    def __call__(self, x) -> TransposedInput:
+    def reuses(self, x) -> bool:
+        """Whether ``x`` already is this re-layout (a forward's, kept for the backward)."""
+        return (isinstance(x, TransposedInput) and x.xt.shape == self.shape
+                and x.xt.dtype == self.dtype)
+
+    def write(self, x, address: int) -> None:
+        """Re-lay out x (a tensor or another TransposedInput) into ``address``."""
         if isinstance(x, TransposedInput):
-            if x.xt.shape == self.shape and x.xt.dtype == self.dtype:
-                return x
             x = x.original()
         if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
             x = x.contiguous()
+        self.transpose(x, address, (0, x.stride(0), 1))
+
+    def __call__(self, x) -> TransposedInput:
+        if self.reuses(x):
+            return x
         if self.storage_rows:
             xt = torch.empty((self.storage_rows, self.shape[1]), dtype=self.dtype,
                              device=x.device)[: self.shape[0]]
         else:
             xt = torch.empty(self.shape, dtype=self.dtype, device=x.device)
-        self.transpose(x, xt.data_ptr(), (0, x.stride(0), 1))
+        self.write(x, xt.data_ptr())
         return TransposedInput(xt, self.batch, self.cin, self.nin)
 
     def spare_address(self, xt: torch.Tensor) -> int:
@@ -502,9 +511,13 @@ class BackwardLaunch:
         self.dtype, self.grad_dtypes, self.device = dtype, grad_dtypes, device
         item = dtype.itemsize
         rows = cin * nin
-        # Workspace: [gt | weight re-layout | dx staging (gather) | zeroed: dxt, dwt, dbias]
+        # Workspace: [gt | x re-layout | weight re-layout | dx staging (gather) | zeroed: dxt,
+        # dwt, dbias]; x's re-layout only where no forward's is kept (batch_padding None)
         carve = _Carve()
         self.gt_at = carve.add(nout * gpad * bpad * item)
+        if need_weight:
+            self.input_layout = _InputLayout(batch, cin, nin, bpad, dtype, dtype, index)
+            self.xt_at = carve.add((rows + 1) * bpad * item) if batch_padding is None else None
         self.to_gt = _Transpose(dtype, dtype, index, (cout, batch, nout), (gpad, bpad, nout),
                                 (bpad, gpad * bpad), sums_z=need_bias)
         # dx is staged before its layout is restored: in float32 where atomics sum it
@@ -550,7 +563,6 @@ class BackwardLaunch:
         if need_input and algorithm == "scatter":
             self.dx_at = carve.add(rows * bpad * self.staging_dtype.itemsize)
         if need_weight:
-            self.input_layout = _InputLayout(batch, cin, nin, bpad, dtype, dtype, index)
             p_tiles, k_tiles = p64 // gw.tile_m, bpad // gw.bk
             if ksplit is None:
                 ksplit = default_grad_weight_ksplit(gw, bpad, gpad, p64, nout,
@@ -607,9 +619,15 @@ class BackwardLaunch:
             dx = new((batch, cin, nin), dtype=self.grad_dtypes[0], device=device)
             self.restore_dx.launch_raw(staging, dx.data_ptr(), self.restore_dx_strides)
         if self.need_weight:
-            saved = self.input_layout(x)
+            if self.input_layout.reuses(x):
+                xt = x.xt.data_ptr()
+            elif self.xt_at is not None:
+                xt = base + self.xt_at
+                self.input_layout.write(x, xt)
+            else:  # a kept re-layout whose padding the tiles could not use
+                xt = self.input_layout(x).xt.data_ptr()
             dwt = base + self.dw_at
-            self.weight_gemm(saved.xt.data_ptr(), gt, input_linear.data_ptr(),
+            self.weight_gemm(xt, gt, input_linear.data_ptr(),
                              weight_linear.data_ptr(), dwt, bpad, gpad, self.p64, cin * nin,
                              self.p_tiles, self.per_split)
             dw = new((self.cout, self.q), dtype=self.grad_dtypes[1], device=device)
@@ -691,7 +709,8 @@ def backward(grad_y, x, weight, input_linear, weight_linear, reverse, cin, nin, 
                             need_input=need_input, need_weight=need_weight,
                             algorithm=input_algorithm, input_config=input_config,
                             weight_config=weight_config, ksplit=ksplit,
-                            nodes_per_cta=nodes_per_cta)
+                            nodes_per_cta=nodes_per_cta,
+                            batch_padding=x.bpad if isinstance(x, TransposedInput) else None)
     if launch.algorithm == "gather" and need_input and reverse is None:
         raise ValueError("the gather algorithm needs reverse=reverse_tables(...)")
     return launch.run(grad_y, x, weight, input_linear, weight_linear, reverse,
