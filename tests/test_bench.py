@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+import knnconv
+from conftest import random_geometry
 from knnconv import available_backends, bench
 
 TINY = {"K": 4, "V": 6, "Nin": 12, "Nout": 5}
@@ -214,15 +216,24 @@ def test_summary_keeps_dtypes_apart_and_compares_backends_on_the_cells_all_compl
 
 
 def test_compiled_steps_compare_with_the_anchors_training_step_and_replays_with_none():
-    def row(mode, speedup):
-        return {"layer": "a", "batch": 8, "dtype": "float16", "backend": "cuda", "mode": mode,
-                "status": "ok", "pct_of_floor": 10.0, "speedup_vs_anchor": speedup}
-
-    summary = bench.summarize([row("forward", 3.0), row("train", 2.0), row("train_graph", None),
-                               row("train_compiled", 6.0)])
+    geometry = random_geometry(torch.Generator().manual_seed(3))
+    plan = knnconv.make_plan(geometry.knn_indices, geometry.rf_index, nin=geometry.nin,
+                             v=geometry.v, cin=2, cout=3)
+    anchors = {("a", 8, "forward"): 0.3, ("a", 8, "train"): 1.5}
+    ceilings = {"copy_gbps": 1000.0, "matmul_tflops": 100.0}
+    recorder = bench.Benchmark(SimpleNamespace(), torch.device("cpu"), ["cuda"], ceilings,
+                               anchors, name_width=4)
+    for mode, median_ms in (("forward", 0.1), ("train", 0.75), ("train_graph", 0.2),
+                            ("train_compiled", 0.25)):
+        recorder._record("a", plan, 8, "float16", "cuda", mode, "ok", median_ms=median_ms)
+    anchor_ms = {row["mode"]: row["anchor_ms"] for row in recorder.rows}
+    # a compiled step stands in for the anchor's eager step; a replay (GPU time) for nothing
+    assert anchor_ms == {"forward": 0.3, "train": 1.5, "train_graph": None,
+                         "train_compiled": 1.5}
+    summary = bench.summarize(recorder.rows)
     speedups = {entry["mode"]: entry["geomean"]
                 for entry in summary["train_speedup_vs_anchor_geomean"]}
-    assert speedups == {"train": 2.0, "train_compiled": 6.0}
+    assert speedups == pytest.approx({"train": 2.0, "train_compiled": 6.0})
     assert bench.ANCHOR_MODE == {"forward": "forward", "train": "train",
                                  "train_compiled": "train"}
 

@@ -1,7 +1,8 @@
 """Benchmark the backends on real layer geometries, against a roofline floor and the anchor.
 
 ``knnconv bench`` (also ``python -m knnconv.bench``) times every layer x batch x dtype x
-backend x mode (forward, train) cell as a user sees it, host overhead included; puts each time
+backend x mode (forward, train, and for the cuda backend train_graph and, opt-in,
+train_compiled; see MODES) cell as a user sees it, host overhead included; puts each time
 against a roofline floor built from ceilings measured in the same run, and against the anchor
 (fovi's knn_cuda, as measured in bench/anchors.json); and writes <name>.json, <name>.csv and
 <name>.png.
@@ -659,7 +660,7 @@ def device_description(device: torch.device) -> str:
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return f"{torch.cuda.get_device_name(device)} (sm_{major}{minor})"
-    return f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+    return f"{device.type} ({platform.machine()}, {torch.get_num_threads()} threads)"
 
 
 def default_name(device: torch.device) -> str:

@@ -1,6 +1,6 @@
 """Command line: ``knnconv check`` validates every backend, ``knnconv run`` (the default)
-runs a foveated layer stack through every backend (``knnconv bench`` and ``knnconv demo``,
-the README's main job, live in bench.py and demo.py).
+runs a foveated layer stack through every backend (``knnconv bench`` lives in bench.py,
+``knnconv demo``, the README's main job, in demo.py).
 
 Both compare each backend's forward and backward with the reference backend computed in
 float64 on the same (rounded) inputs, so the reported error is the backend's own.

@@ -77,9 +77,8 @@ class KNNDepthwiseConv(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_features(x, self.nin, self.channels)
         dtype = promoted_dtype(x, self.weight, self.bias)
-        # only the weight and bias gradients accumulate with atomics (dx is a gather)
-        atomics = torch.is_grad_enabled() and (
-            self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad))
+        # only the weight gradient accumulates with atomics (dx is a gather, dbias a torch sum)
+        atomics = torch.is_grad_enabled() and self.weight.requires_grad
         self.last_backend = resolve_neighbourhood_backend(self.backend, x, atomics=atomics,
                                                           cells=self.v, dtype=dtype)
         if self.last_backend == "cuda":

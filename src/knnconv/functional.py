@@ -52,8 +52,8 @@ def validate_call(x, weight, bias, plan) -> None:
 
 def compute_dtype(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   autocasting: bool) -> torch.dtype:
-    """The dtype the backend computes in: autocast's when active (for float64 x too, autocast
-    leaves float64 alone, as PyTorch's own ops do), else the (common) input dtype."""
+    """The dtype the backend computes in: autocast's when active, except for a float64 x,
+    which autocast leaves alone as PyTorch's own ops do; else the (common) input dtype."""
     if autocasting and x.dtype != torch.float64:
         return torch.get_autocast_dtype(x.device.type)
     for name, t in (("weight", weight), ("bias", bias)):
@@ -66,7 +66,6 @@ def compute_dtype(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 _keep_input_relayout = False
-_NO_CONTEXT = contextlib.nullcontext()
 
 
 def set_keep_input_relayout(enabled: bool) -> bool:
@@ -76,7 +75,7 @@ def set_keep_input_relayout(enabled: bool) -> bool:
     it out again, so a layer holds no copy of its input between forward and backward. True:
     the cuda backend keeps its batch-contiguous copy of x from the forward and the backward
     skips that re-layout, a few percent faster for noticeably more peak memory (measured on
-    whole networks: README "Memory", bench/NOTES.md versions 24 and 29). The torch backends
+    whole networks: README "Memory or speed", bench/NOTES.md versions 24 and 29). The torch backends
     keep x either way. Returns the previous setting. Read at every call; a torch.compile'd
     graph keeps the setting it was traced with.
     """
@@ -177,16 +176,22 @@ def knn_conv_with_backend(x, weight, bias, plan, backend="auto") -> tuple[torch.
     device_type = x.device.type
     autocasting = device_type != "meta" and torch.is_autocast_enabled(device_type)
     dtype = compute_dtype(x, weight, bias, autocasting)
-    backward = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, weight, bias))
+    backward = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
     ops = resolve_backend(backend, plan, x.device, dtype, batch=x.shape[0], backward=backward)
     if torch.compiler.is_compiling():
         from .torch_ops import knn_conv_op
 
         return knn_conv_op(x, weight, bias, plan, ops.name, dtype, _keep_input_relayout), ops.name
-    with torch.autocast(device_type, enabled=False) if autocasting else _NO_CONTEXT:
-        # (autocast off inside: the backend must not recast) Without a gradient to compute
-        # there is no autograd node to record, and the impl runs without the Function's cost.
-        if not backward:
-            return forward_impl(plan, ops, x, weight, bias, dtype, False)[0], ops.name
-        return KNNConvFunction.apply(x, weight, bias, plan, ops, dtype), ops.name
+    if not autocasting:
+        return _eager(plan, ops, x, weight, bias, dtype, backward), ops.name
+    with torch.autocast(device_type, enabled=False):  # the backend must not recast inside
+        return _eager(plan, ops, x, weight, bias, dtype, backward), ops.name
+
+
+def _eager(plan, ops, x, weight, bias, dtype: torch.dtype, backward: bool) -> torch.Tensor:
+    """y through the autograd Function where a gradient will be computed; without one there
+    is no node to record, and the impl runs without the Function's cost."""
+    if not backward:
+        return forward_impl(plan, ops, x, weight, bias, dtype, False)[0]
+    return KNNConvFunction.apply(x, weight, bias, plan, ops, dtype)

@@ -101,6 +101,20 @@ class NativeTables:
     scale: torch.Tensor  # float32 [Nout]: 1 / the number of real neighbours (at least 1)
 
 
+def native_tables(knn_indices: torch.Tensor, nin: int,
+                  slot_cells: torch.Tensor | None = None) -> NativeTables:
+    """The NativeTables of a neighbour table (and a depthwise layer's slot cells)."""
+    from .ops.cuda.launch import reverse_tables
+
+    cells = slot_cells if slot_cells is not None else torch.zeros_like(knn_indices)
+    real = (knn_indices != nin).sum(dim=0).clamp_min(1)
+    return NativeTables(
+        knn=knn_indices.to(torch.int32).contiguous(),
+        cells=None if slot_cells is None else slot_cells.to(torch.int32).contiguous(),
+        reverse=reverse_tables(knn_indices, cells.t(), nin),
+        scale=(1.0 / real.to(torch.float32)).contiguous())
+
+
 class NativeTableCache:
     """A layer's NativeTables for its current table tensors: rebuilt when they change.
 
@@ -134,20 +148,9 @@ class NativeTableCache:
         entry = self._entry
         tables = entry[1] if entry is not None and self._same(
             entry[0], knn_indices, slot_cells) else None
-        if tables is None:
-            from .ops.cuda.launch import reverse_tables
-
-            def build() -> NativeTables:
-                cells = slot_cells if slot_cells is not None else torch.zeros_like(knn_indices)
-                real = (knn_indices != nin).sum(dim=0).clamp_min(1)
-                return NativeTables(
-                    knn=knn_indices.to(torch.int32).contiguous(),
-                    cells=(None if slot_cells is None
-                           else slot_cells.to(torch.int32).contiguous()),
-                    reverse=reverse_tables(knn_indices, cells.t(), nin),
-                    scale=(1.0 / real.to(torch.float32)).contiguous())
-
-            tables = build_persistent(knn_indices.device, build)
+        if tables is None:  # kept for the layer's life: built out of any graph's pool
+            tables = build_persistent(knn_indices.device,
+                                      lambda: native_tables(knn_indices, nin, slot_cells))
             # one device at a time; a move replaces it
             self._entry = (self._identify(knn_indices, slot_cells), tables)
         return tables

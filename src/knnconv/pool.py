@@ -17,6 +17,7 @@ from .neighbours import (
     check_backend,
     check_features,
     gather_neighbours,
+    native_tables,
     resolve_neighbourhood_backend,
 )
 from .plan import _as_index_tensor, _check_positive, check_knn_indices
@@ -38,15 +39,15 @@ def knn_pool(x: torch.Tensor, knn_indices, nin: int, mode: str = "max",
     knn_indices = checked_knn_indices(knn_indices, nin)
     check_features(x, nin)
     mode = check_mode(mode)
-    return _pool(x, knn_indices.to(x.device), nin, mode, check_backend(backend),
-                 NativeTableCache())[0]
+    return _pool(x, knn_indices.to(x.device), nin, mode, check_backend(backend), None)[0]
 
 
-def _pool(x, knn_indices, nin: int, mode: str, backend: str, cache: NativeTableCache):
-    """(y, backend that ran) on validated arguments."""
+def _pool(x, knn_indices, nin: int, mode: str, backend: str, cache: NativeTableCache | None):
+    """(y, backend that ran) on validated arguments; native tables from ``cache``, or built
+    for this call alone where there is none (the function's)."""
     if resolve_neighbourhood_backend(backend, x, atomics=False) == "torch":
         return pool_neighbours(x, knn_indices, nin, mode), "torch"
-    tables = cache.get(knn_indices, nin)
+    tables = native_tables(knn_indices, nin) if cache is None else cache.get(knn_indices, nin)
     return _NativePool.apply(x, tables, nin, mode), "cuda"
 
 

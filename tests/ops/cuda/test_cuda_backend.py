@@ -10,6 +10,7 @@ import itertools
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import knnconv
 from conftest import EDGE_GEOMETRIES, random_geometry, rel_err
@@ -529,8 +530,12 @@ def test_reduce_overhead_compiled_training_follows_eager():
     torch.compiler.reset()
     model, optimizer = build()
     compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    counters.clear()
     losses, weight = train(compiled, model, optimizer)
     torch.compiler.reset()
+    # the steps were replayed as CUDA graphs, not run as a compiled graph inductor declined
+    # to record
+    assert counters["inductor"]["cudagraph_skips"] == 0
     assert model[0].last_backend == "cuda"
     for got, expected in zip(losses, eager_losses, strict=True):
         assert abs(got - expected) <= 2e-2 * abs(expected) + 1e-4
@@ -565,3 +570,16 @@ def check_compiled_network_matches_eager():
     # the backward reads the kept re-layout (or x) the compiled forward saved
     for got, expected in zip(compiled, eager, strict=True):
         assert rel_err(got, expected) < 1e-3
+
+
+@pytest.mark.parametrize("nout,batch", [(2, 130), (31, 17)])
+def test_a_kept_relayout_has_the_shape_compile_allocates_for_it(nout, batch):
+    # torch.compile allocates the saved re-layout from CudaOps.saved_layout (the fake impl);
+    # inductor asserts the real one has that shape
+    plan = random_geometry(torch.Generator().manual_seed(nout), nin=8, nout=nout,
+                           k=5).plan(cin=256, cout=512)
+    x = torch.randn(batch, plan.cin, plan.nin, device=DEVICE, dtype=torch.float16)
+    weight = torch.randn(plan.cout, plan.q, device=DEVICE, dtype=torch.float16)
+    ops = knn_cuda.CudaOps()
+    saved = ops.forward_saving(plan, x, weight, None)[1]
+    assert tuple(saved.xt.shape) == ops.saved_layout(plan, batch, torch.float16)

@@ -68,9 +68,23 @@ def test_only_the_needed_kernels_are_verified(plans):
     assert set(with_bias.kernel_keys) == {"input", "weight", "bias"}
     only_input = plans("gather", 40, torch.float16, need_weight=False)
     assert set(only_input.kernel_keys) == {"input"}
-    family, dtype, _, device, stored = only_input.kernel_keys["input"]
+    family, dtype, _, device, stores_chunks, stored = only_input.kernel_keys["input"]
     assert (family, dtype, device, stored) == ("grad_input", torch.float16,
                                                torch.device("cuda", 0), torch.float16)
+    assert stores_chunks  # Cin = 40: the gather stores 8-wide chunks
+
+
+def test_the_dx_keys_name_the_path_the_kernel_takes_at_run_time(plans):
+    # the gather: 16-byte stores where Cin % 8 == 0, element stores otherwise
+    assert plans("gather", 40, torch.float16).kernel_keys["input"][4] is True
+    assert plans("gather", 36, torch.float16).kernel_keys["input"][4] is False
+    # the scatter: walking several nodes per CTA or one, in the same kernel
+    walking, one = (launch.BackwardLaunch(
+        batch=17, cin=3, nin=70, cout=65, nout=31, q=27, p64=64, dtype=torch.float16,
+        device=torch.device("cuda", 0), algorithm="scatter", nodes_per_cta=nodes)
+        for nodes in (4, 1))
+    assert walking.kernel_keys["input"][:4] == one.kernel_keys["input"][:4]
+    assert (walking.kernel_keys["input"][4], one.kernel_keys["input"][4]) == (True, False)
 
 
 def test_the_forward_keys_each_way_it_reads_the_bias(plans):
@@ -106,9 +120,10 @@ def test_a_few_node_forward_pads_the_batch_as_its_default_backward_does(plans, b
 @pytest.mark.parametrize("nout,batch", [(2, 130), (2, 2048), (300, 129)])
 def test_the_layout_compile_traces_for_a_kept_relayout_is_the_one_the_forward_builds(
         plans, nout, batch):
-    # torch.compile allocates the saved re-layout from CudaOps.saved_layout (fake impl); the
-    # real forward must produce exactly that shape (with Nout 2 at B = 130 the few-node tiles
-    # pad the batch to 192, the large ones to 256)
+    # torch.compile allocates the saved re-layout from CudaOps.saved_layout (fake impl): it
+    # must be the shape of the launch plan the real forward builds, here computed from the
+    # same sizes (with Nout 2 at B = 130 the few-node tiles pad the batch to 192, the large
+    # ones to 256)
     from knnconv.ops.cuda import CudaOps
 
     plan = random_geometry(torch.Generator().manual_seed(nout), nin=8, nout=nout,
@@ -148,17 +163,18 @@ def test_relayout_grids_stay_within_cuda_limits(plans):
 
 
 @pytest.mark.parametrize("need_input", [False, True])
-@pytest.mark.parametrize("batch,nin", [(150, 40), (130, 8)])
+@pytest.mark.parametrize("batch,nin", [(150, 8), (300, 8)])
 def test_a_backward_handed_a_kept_relayout_pads_the_batch_as_it_is_padded(plans, batch, nin,
                                                                           need_input):
-    # alone, a weight-only backward at B = 150 pads to 160 and the forward to 256; handed the
-    # forward's padding it lays x out exactly as the kept re-layout is, so it takes it as is
+    # alone, a backward at B = 150 pads to 160 (weight only) or 192 and the forward to 256 (at
+    # B = 300: 320 and 384); handed the forward's padding it lays x out exactly as the kept
+    # re-layout is, so it takes it as is
     sizes = {"batch": batch, "cin": 128, "nin": nin, "cout": 64, "nout": 16, "q": 128 * 9,
              "p64": 1152, "dtype": torch.float16, "device": torch.device("cuda", 0)}
     forward = launch.ForwardLaunch(**sizes)
     alone = launch.BackwardLaunch(**sizes, need_input=need_input)
     handed = launch.BackwardLaunch(**sizes, need_input=need_input, batch_padding=forward.bpad)
-    assert alone.bpad != forward.bpad or (batch, need_input) != (150, False)
+    assert alone.bpad != forward.bpad
     assert handed.bpad == forward.bpad
     assert handed.input_layout.shape == forward.input_layout.shape
     # a padding the tiles cannot take is not used

@@ -108,7 +108,7 @@ def test_threads_asking_for_one_kernel_build_it_once(monkeypatch):
     assert kernels[0] is kernels[1]
 
 
-def test_threads_first_using_one_layer_get_its_result_from_kernels_built_once(monkeypatch):
+def test_threads_first_using_one_layer_both_get_its_result(monkeypatch):
     # The layer's launch-plan lock already serialises these threads, so this cannot catch a
     # broken compile lock; test_threads_asking_for_one_kernel_build_it_once does.
     layer = two_layers_on_one_input(torch.Generator().manual_seed(23))[1]

@@ -159,7 +159,8 @@ def default_grad_input_scatter_config(batch) -> KernelConfig:
 def default_grad_weight_config(batch, cout, p64) -> KernelConfig:
     """grad_weight geometry (tiles.json): for Cout <= 64, 192 slots x 64 at B >= 1024 where
     P64 allows (three-channel first layers), else 64 x 64; wider layers take 128 slots where
-    P64 allows (else 64) and a Cout tile of 256 where Cout is a multiple of it, else 128."""
+    P64 allows, with a Cout tile of 256 where Cout is a multiple of it, else 128; else 64
+    slots by 128."""
     return _choose("grad_weight", batch, cout, p64)
 
 

@@ -295,11 +295,6 @@ class _InputLayout:
         self.transpose = _Transpose(src_dtype, dtype, device_index, (1, batch, rows),
                                     (1, bpad, rows + 1), (0, bpad))
 
-    def reuses(self, x) -> bool:
-        """Whether ``x`` already is this re-layout (a forward's, kept for the backward)."""
-        return (isinstance(x, TransposedInput) and x.xt.shape == self.shape
-                and x.xt.dtype == self.dtype)
-
     def write(self, x, address: int) -> None:
         """Re-lay out x (a tensor or another TransposedInput) into ``address``."""
         if isinstance(x, TransposedInput):
@@ -309,7 +304,8 @@ class _InputLayout:
         self.transpose(x, address, (0, x.stride(0), 1))
 
     def __call__(self, x) -> TransposedInput:
-        if self.reuses(x):
+        if isinstance(x, TransposedInput) and x.xt.shape == self.shape and (
+                x.xt.dtype == self.dtype):
             return x
         if self.storage_rows:
             xt = torch.empty((self.storage_rows, self.shape[1]), dtype=self.dtype,
@@ -451,10 +447,10 @@ class ForwardLaunch:
         y = torch.empty_strided(self.y_shape, self.y_strides, dtype=dtype, device=x.device)
         if poison_output:
             y.fill_(math.nan)
-        # the kernel reads bias[o]: converted only where it takes neither dtype (rare)
-        if bias is not None and (bias.dtype not in (dtype, torch.float32)
-                                 or not bias.is_contiguous()):
-            bias = bias.to(self.bias_read_dtype(bias)).contiguous()
+        if bias is not None:  # the kernel reads bias[o]: converted only where it must be
+            read = self.bias_read_dtype(bias)
+            if bias.dtype != read or not bias.is_contiguous():
+                bias = bias.to(read).contiguous()
         self.gemm(saved.xt.data_ptr(), wt, input_linear.data_ptr(), weight_linear.data_ptr(), 0,
                   _pointer(bias), int(bias is not None and bias.dtype == torch.float32),
                   y.data_ptr(), self.batch, self.bpad, self.cout, self.cpad, self.nout, self.p64,
@@ -512,12 +508,12 @@ class BackwardLaunch:
         item = dtype.itemsize
         rows = cin * nin
         # Workspace: [gt | x re-layout | weight re-layout | dx staging (gather) | zeroed: dxt,
-        # dwt, dbias]; x's re-layout only where no forward's is kept (batch_padding None)
+        # dwt, dbias]
         carve = _Carve()
         self.gt_at = carve.add(nout * gpad * bpad * item)
-        if need_weight:
+        if need_weight:  # where a forward's kept re-layout fits the tiles it is reused
             self.input_layout = _InputLayout(batch, cin, nin, bpad, dtype, dtype, index)
-            self.xt_at = carve.add((rows + 1) * bpad * item) if batch_padding is None else None
+            self.xt_at = None if fits else carve.add((rows + 1) * bpad * item)
         self.to_gt = _Transpose(dtype, dtype, index, (cout, batch, nout), (gpad, bpad, nout),
                                 (bpad, gpad * bpad), sums_z=need_bias)
         # dx is staged before its layout is restored: in float32 where atomics sum it
@@ -527,15 +523,6 @@ class BackwardLaunch:
         gathered = need_input and algorithm == "gather"
         self.staging_dtype = (dtype if gathered and grad_dtypes[0] == dtype
                               else torch.float32)
-        # Per needed gradient, what names the kernel computing it (family, dtypes read and
-        # stored, tile config; the bias gradient is summed by grad_y's re-layout) on this
-        # device: CudaOps verifies each on its first use.
-        self.kernel_keys = {
-            role: (family, dtype, cfg, device, stored)
-            for role, family, cfg, stored, needed in (
-                ("input", input_family, gi, self.staging_dtype, need_input),
-                ("weight", "grad_weight", gw, torch.float32, need_weight),
-                ("bias", "grad_bias", None, grad_dtypes[2], need_bias)) if needed}
         if gathered:
             self.cinpad = _round_up(cin, gi.bn)
             self.weight_at = carve.add((q // cin) * gpad * self.cinpad * item)
@@ -559,6 +546,19 @@ class BackwardLaunch:
             self.restore_dx = _Transpose(self.staging_dtype, grad_dtypes[0], index,
                                          (1, rows, batch), (1, rows, batch), (0, rows))
             self.restore_dx_strides = (0, bpad, 1)
+        # Per needed gradient, what names the kernel computing it (family, dtypes read and
+        # stored, tile config; the bias gradient is summed by grad_y's re-layout) on this
+        # device, and, as ForwardLaunch's key does, the path the dx kernel takes at run time:
+        # the gather's 16-byte stores (Cin % 8 == 0) or element stores, the scatter walking
+        # nodes or not. CudaOps verifies each on its first use.
+        input_path = (cin % 8 == 0) if gathered else need_input and self.nodes_per_cta > 1
+        self.kernel_keys = {
+            role: key for role, key, needed in (
+                ("input", (input_family, dtype, gi, device, input_path, self.staging_dtype),
+                 need_input),
+                ("weight", ("grad_weight", dtype, gw, device, torch.float32), need_weight),
+                ("bias", ("grad_bias", dtype, None, device, grad_dtypes[2]), need_bias))
+            if needed}
         self.zero_from = carve.size
         if need_input and algorithm == "scatter":
             self.dx_at = carve.add(rows * bpad * self.staging_dtype.itemsize)
@@ -619,13 +619,11 @@ class BackwardLaunch:
             dx = new((batch, cin, nin), dtype=self.grad_dtypes[0], device=device)
             self.restore_dx.launch_raw(staging, dx.data_ptr(), self.restore_dx_strides)
         if self.need_weight:
-            if self.input_layout.reuses(x):
+            if self.xt_at is None:  # the forward's kept re-layout (see batch_padding)
                 xt = x.xt.data_ptr()
-            elif self.xt_at is not None:
+            else:
                 xt = base + self.xt_at
                 self.input_layout.write(x, xt)
-            else:  # a kept re-layout whose padding the tiles could not use
-                xt = self.input_layout(x).xt.data_ptr()
             dwt = base + self.dw_at
             self.weight_gemm(xt, gt, input_linear.data_ptr(),
                              weight_linear.data_ptr(), dwt, bpad, gpad, self.p64, cin * nin,
