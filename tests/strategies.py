@@ -145,3 +145,126 @@ def outside_tolerance(case: LayerCase, backend: str,
         if not error <= tolerance:
             errors[name] = error
     return errors
+
+
+# Gradient scales a training run meets: unscaled fp16 losses give |grad_y| near 1e-7, a
+# GradScaler's early scales reach 1e4 and beyond.
+GRAD_SCALES = (1e-8, 1e-6, 1e-4, 1e-2, 1.0, 1e2, 1e4)
+
+
+def rounding_allowance(dtype: torch.dtype) -> float:
+    """Max-norm relative error allowed in an output of ``dtype``: four unit roundoffs
+    (2e-3 for float16), and at least what float32 accumulation costs."""
+    return max(4 * torch.finfo(dtype).eps / 2, 1e-5)
+
+
+def magnitude_outputs(case: LayerCase, backend: str, grad_scale: float,
+                      device: torch.device | str = "cpu", x_dtype: torch.dtype | None = None
+                      ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A layer call as a network makes it: float32 weight and bias under autocast to the
+    case's (half) dtype, x in ``x_dtype`` (the case's dtype if None, as a layer's input is
+    inside a network; float32 as the image entering the first layer is), grad_y standard
+    normals times ``grad_scale`` rounded to the case's dtype. Returns each output (y and the
+    gradients) with float64 computed on the same rounded operands."""
+    plan = case.plan()
+    dtype = case.torch_dtype
+    generator = torch.Generator().manual_seed(case.seed + 2)
+    x = torch.randn(case.batch, case.cin, case.nin, generator=generator).to(x_dtype or dtype)
+    weight = torch.randn(case.cout, plan.q, generator=generator) / max(plan.p, 1) ** 0.5
+    bias = torch.randn(case.cout, generator=generator) if case.bias else None
+    grad_y = (torch.randn(case.batch, case.cout, case.nout, generator=generator,
+                          dtype=torch.float64) * grad_scale).to(dtype)
+    leaves = [None if t is None else t.to(device).clone().requires_grad_()
+              for t in (x, weight, bias)]
+    with torch.autocast(torch.device(device).type, dtype=dtype):
+        y = knn_conv(*leaves, plan, backend=backend)
+    y.backward(grad_y.to(device))
+    # the operands as the backend saw them: autocast rounds x and the weight to dtype, and
+    # the backends add a float32 bias unrounded
+    rounded = [x.to(dtype).double(), weight.to(dtype).double(),
+               None if bias is None else bias.double()]
+    rounded = [None if t is None else t.requires_grad_() for t in rounded]
+    expected_y = knn_conv(*rounded, plan, backend="reference")
+    expected_y.backward(grad_y.double())
+    outputs = {"y": (y, expected_y)}
+    for name, leaf, reference in zip(("grad_x", "grad_weight", "grad_bias"), leaves, rounded,
+                                     strict=True):
+        if leaf is not None:
+            outputs[name] = (leaf.grad, reference.grad)
+    return outputs
+
+
+def neighbourhood_outputs(layer: str, backend: str, dtype: torch.dtype, grad_scale: float,
+                          device: torch.device | str = "cpu"
+                          ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """KNNPool (``layer``: max, avg or sum) or KNNDepthwiseConv ("depthwise") on ``backend``:
+    x in ``dtype``, float32 parameters under autocast; each output with the same layer's
+    float64 result on the same operands."""
+    from knnconv import KNNDepthwiseConv, KNNPool
+
+    generator = torch.Generator().manual_seed(11)
+    inputs, outputs = torch.rand(80, 2, generator=generator), torch.rand(30, 2, generator=generator)
+    channels = 12
+
+    def build(on: str):
+        torch.manual_seed(0)  # the same depthwise weights for both
+        if layer == "depthwise":
+            return KNNDepthwiseConv.from_coords(channels, inputs, outputs, 9, backend=on)
+        return KNNPool.from_coords(inputs, outputs, 9, mode=layer, backend=on)
+
+    module, reference = build(backend), build("torch").double()
+    x = torch.randn(4, channels, 80, generator=generator).to(dtype)
+    grad_y = (torch.randn(4, channels, 30, generator=generator, dtype=torch.float64)
+              * grad_scale).to(dtype)
+    leaf64 = x.double().requires_grad_()
+    y64 = reference(leaf64)
+    y64.backward(grad_y.double())
+    module.to(device)
+    leaf = x.to(device).clone().requires_grad_()
+    with torch.autocast(torch.device(device).type, dtype=dtype):
+        y = module(leaf)
+    y.backward(grad_y.to(device))
+    pairs = {"y": (y, y64), "grad_x": (leaf.grad, leaf64.grad)}
+    if layer == "depthwise":
+        pairs["grad_weight"] = (module.weight.grad, reference.weight.grad)
+    return pairs
+
+
+def failures(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+    """The outputs of ``pairs`` outside :func:`max_error_beyond_rounding`, with their errors."""
+    errors = {name: max_error_beyond_rounding(value, reference)
+              for name, (value, reference) in pairs.items()}
+    return {name: error for name, error in errors.items() if error is not None}
+
+
+def magnitude_failures(case: LayerCase, backend: str, grad_scale: float,
+                       device: torch.device | str = "cpu") -> dict[str, float]:
+    """The outputs of :func:`magnitude_outputs` whose error exceeds the rounding of their
+    dtype."""
+    return failures(magnitude_outputs(case, backend, grad_scale, device))
+
+
+def max_error_beyond_rounding(value: torch.Tensor, reference: torch.Tensor) -> float | None:
+    """None when ``value`` is within :func:`rounding_allowance` of its dtype of the float64
+    ``reference`` (max-norm, relative to max|reference|, plus the dtype's smallest subnormal:
+    an output in the subnormal range cannot round closer), and equals inf wherever the
+    reference lies beyond the dtype's range; else that relative error (inf for a wrong
+    overflow)."""
+    if reference.numel() == 0:
+        return None
+    dtype_info = torch.finfo(value.dtype)
+    allowance = rounding_allowance(value.dtype)
+    rounded = reference.detach().to(value.dtype).cpu()
+    beyond = torch.isinf(rounded)
+    value, reference = value.detach().cpu(), reference.detach().cpu()
+    if not torch.equal(value[beyond], rounded[beyond]):
+        return float("inf")
+    value, reference = value[~beyond].double(), reference[~beyond]
+    if reference.numel() == 0:
+        return None
+    scale = reference.abs().max().item()
+    error = (value - reference).abs().max().item()
+    subnormal = dtype_info.smallest_normal * dtype_info.eps
+    if error <= allowance * scale + subnormal:
+        return None
+    return error / scale if scale > 0 else error

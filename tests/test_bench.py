@@ -277,7 +277,7 @@ def test_on_the_gpu_graph_and_compiled_modes_time_the_cuda_backend(tmp_path):
 
 
 def test_relative_error_on_known_values():
-    # the library's metric (bench tables, canaries use their own): known answers, NaN fails
+    # the library's metric (bench tables; first-use checks use their own): known answers, NaN fails
     assert bench.relative_error(torch.tensor([1.1]), torch.tensor([1.0])) == pytest.approx(0.1)
     assert bench.relative_error(torch.tensor([3.0, 4.0]), torch.zeros(2)) == pytest.approx(5.0)
     assert math.isnan(bench.relative_error(torch.tensor([math.nan]), torch.tensor([1.0])))

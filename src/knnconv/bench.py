@@ -445,7 +445,7 @@ class Benchmark:
                                                               checked)
                 except torch.cuda.OutOfMemoryError:
                     self._record(*cell, backend, mode, "oom")
-                except RuntimeError as exc:  # e.g. a failed kernel canary; later cells still run
+                except RuntimeError as exc:  # e.g. a failed first-use check; later cells still run
                     self._record(*cell, backend, mode, "error", note=f"{type(exc).__name__}: {exc}")
                 else:
                     note = check_note if mode == "forward" else None

@@ -23,6 +23,7 @@ from .neighbours import (
     gather_neighbours,
     resolve_neighbourhood_backend,
 )
+from .ops.registry import accumulation_dtype
 from .plan import _as_index_tensor, _check_positive, _check_tables
 
 
@@ -84,10 +85,15 @@ class KNNDepthwiseConv(nn.Module):
         if self.last_backend == "cuda":
             tables = self._native_tables.get(self.knn_indices, self.nin, self.slot_cells)
             return _NativeDepthwise.apply(x, self.weight, self.bias, tables, self.nin, dtype)
-        neighbours = gather_neighbours(x, self.knn_indices, fill=0.0)  # [B, C, K, Nout]
-        slot_weights = F.pad(self.weight, (0, 1))[:, self.slot_cells]  # [C, K, Nout]
+        # In half precision every product and sum, forward and backward, would round and
+        # flush tiny gradients to zero; float32 holds them, and the result is rounded once.
+        wide = accumulation_dtype(dtype)
+        neighbours = gather_neighbours(x.to(wide), self.knn_indices, fill=0.0)  # [B, C, K, N]
+        slot_weights = F.pad(self.weight.to(wide), (0, 1))[:, self.slot_cells]  # [C, K, Nout]
         y = (neighbours * slot_weights).sum(dim=2)
-        return y if self.bias is None else y + self.bias[:, None]
+        if self.bias is not None:
+            y = y + self.bias.to(wide)[:, None]
+        return y.to(dtype)
 
     def extra_repr(self) -> str:
         k, nout = self.knn_indices.shape

@@ -20,6 +20,7 @@ from .neighbours import (
     native_tables,
     resolve_neighbourhood_backend,
 )
+from .ops.registry import accumulation_dtype
 from .plan import _as_index_tensor, _check_positive, check_knn_indices
 
 POOL_MODES = ("max", "avg", "sum")
@@ -91,18 +92,23 @@ def check_mode(mode) -> str:
 
 def pool_neighbours(x: torch.Tensor, knn_indices: torch.Tensor, nin: int,
                     mode: str) -> torch.Tensor:
-    """The pooling itself, on already validated arguments (knn_indices int64 on x's device)."""
+    """The pooling itself, on already validated arguments (knn_indices int64 on x's device).
+
+    Half-precision x is pooled in float32 and the result rounded once: a sum of K values, and
+    dx, which sums the gradients of every node that reads an input, would otherwise round at
+    every step and overflow where float32 does not."""
     real = knn_indices != nin  # [K, Nout]
+    wide = x.to(accumulation_dtype(x.dtype))
     if mode == "max":
         # -inf padding never wins a max over a real value; nodes with no real neighbour would
         # give -inf, and are set to 0 by a where whose backward sends them no gradient.
-        pooled = gather_neighbours(x, knn_indices, fill=-torch.inf).amax(dim=2)
-        return torch.where(real.any(dim=0), pooled, 0.0)
-    pooled = gather_neighbours(x, knn_indices, fill=0.0).sum(dim=2)
+        pooled = gather_neighbours(wide, knn_indices, fill=-torch.inf).amax(dim=2)
+        return torch.where(real.any(dim=0), pooled, 0.0).to(x.dtype)
+    pooled = gather_neighbours(wide, knn_indices, fill=0.0).sum(dim=2)
     if mode == "avg":
         # Clamping the count at 1 leaves an all-padding node at its sum, 0.
         pooled = pooled / real.sum(dim=0).clamp_min(1).to(pooled.dtype)
-    return pooled
+    return pooled.to(x.dtype)
 
 
 class KNNPool(nn.Module):

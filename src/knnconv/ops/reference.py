@@ -6,7 +6,8 @@ also run inside the custom ops). The binning adds neighbours into their cells
 (scatter-add) and its transpose reads them back (gather), where fovi multiplies by a one-hot
 matrix: the same numbers for finite inputs, but an inf neighbour stays inf instead of
 turning every other cell into inf * 0 = NaN, so non-finite values propagate exactly as the
-defining sum says.
+defining sum says. It sums in float32 (float64 for float64 inputs), with each result rounded
+once to its dtype, so that half-precision calls are as exact as their dtype allows.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .registry import KNNConvOps, accumulation_dtype
 
 class ReferenceOps(KNNConvOps):
     name = "reference"
+    float32_bias = True
 
     @staticmethod
     def _binned(plan: KNNConvPlan, x):
@@ -33,7 +35,10 @@ class ReferenceOps(KNNConvOps):
         return binned.reshape(x.shape[0], plan.nout, plan.q)
 
     def forward(self, plan, x, weight, bias):
-        return F.linear(self._binned(plan, x), weight, bias).transpose(1, 2)
+        acc = accumulation_dtype(x.dtype)
+        y = F.linear(self._binned(plan, x.to(acc)), weight.to(acc),
+                     None if bias is None else bias.to(acc))
+        return y.to(x.dtype).transpose(1, 2)
 
     # The gradients are the formulation's own transposes: y = binned(x) @ W^T, so
     # dW = grad_y^T @ binned(x), and dx reads grad_y @ W back out of the cells (gather) and

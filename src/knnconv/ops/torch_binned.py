@@ -6,10 +6,11 @@ v (rf[n, k] == v). Then y[b, :, n] = W @ Xbin[b, n] + bias with the one weight m
 backward is dense too: dW = gᵀ·Xbin and dXbin = g·W over B*Nout rows. The bins are gathered
 through a table holding each cell's first neighbour; the cells holding more than one (6-24%
 of the cells of the published layers with V close to K, almost none of their V = 4K ones)
-add the others from a list with index_add_. dx flows back through the same table and list
-with index_add_ in float32 (float64 for float64 inputs). Where V is much larger than K the
-bins are mostly zeros, and torch_compact, which multiplies only the K real slots per node,
-moves less.
+add the others from a list with index_add_. Sums are kept in float32 (float64 for float64
+inputs) throughout: a bin holding several neighbours, every GEMM's products, the bias, and dx,
+which flows back through the same table and list with index_add_; each result is rounded once
+to its dtype. Where V is much larger than K the bins are mostly zeros, and torch_compact,
+which multiplies only the K real slots per node, moves less.
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ import torch
 
 from ..plan import KNNConvPlan
 from .registry import KNNConvOps, accumulation_dtype
-from .torch_common import DEFAULT_MEMORY_BUDGET, node_chunks, padded_flat_input
+from .torch_common import (
+    DEFAULT_MEMORY_BUDGET,
+    matmul_accumulating,
+    node_chunks,
+    padded_flat_input,
+)
 
 
 def bin_sources(knn_indices: torch.Tensor, rf_index: torch.Tensor, cin: int, nin: int,
@@ -77,33 +83,9 @@ class BinTables:
         return self.extra_position[low:high] - offset, self.extra_address[low:high]
 
 
-_OUT_DTYPE_MATMUL: dict[str, bool] = {}  # device type -> whether mm takes out_dtype
-
-
-def matmul_accumulating(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """a @ b summed and returned in ``acc``: dW sums B*Nout products, which overflow fp16,
-    and the gradient of the bins is kept unrounded for dx's sums.
-
-    Where torch.mm takes out_dtype (CUDA in recent releases) the half-precision GEMM writes
-    fp32 directly; elsewhere the operands are widened first.
-    """
-    if a.dtype == acc:
-        return a @ b
-    device_type = a.device.type
-    if _OUT_DTYPE_MATMUL.get(device_type, device_type == "cuda"):
-        try:
-            result = torch.mm(a, b, out_dtype=acc)
-            _OUT_DTYPE_MATMUL[device_type] = True
-            return result
-        except torch.cuda.OutOfMemoryError:
-            raise  # says nothing about out_dtype
-        except (TypeError, RuntimeError):  # NotImplementedError is a RuntimeError
-            _OUT_DTYPE_MATMUL[device_type] = False
-    return a.to(acc) @ b.to(acc)
-
-
 class TorchBinnedOps(KNNConvOps):
     name = "torch_binned"
+    float32_bias = True
 
     def __init__(self, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> None:
         self.memory_budget = memory_budget
@@ -121,22 +103,22 @@ class TorchBinnedOps(KNNConvOps):
         return plan.derived(device, "torch_binned.tables", build)
 
     def _node_chunks(self, plan: KNNConvPlan, batch: int, element_size: int):
-        # Per node, at most (the combined backward): its bins, their gradient, a float32 sum
-        # of one of them, and its output-gradient rows with their float32 product.
-        per_node = batch * (plan.q * (2 * element_size + 4) + plan.cout * (element_size + 4))
+        # Per node, at most (the combined backward): its bins and their float32 sums, their
+        # float32 gradient, and its output-gradient rows with their float32 product.
+        per_node = batch * (plan.q * (element_size + 8) + plan.cout * (element_size + 4))
         return node_chunks(plan.nout, per_node, self.memory_budget)
 
     @staticmethod
     def _bins(flat: torch.Tensor, tables: BinTables, start: int, stop: int) -> torch.Tensor:
-        """Xbin of nodes [start, stop) as rows (b, n): [B * (stop - start), Cin*V]. Cells
-        holding several neighbours are summed in at least float32."""
+        """Xbin of nodes [start, stop) as rows (b, n): [B * (stop - start), Cin*V]. Where a
+        cell holds several neighbours the bins are their sums in the accumulation dtype (a sum
+        of half-precision values is not one, and may overflow); else x's values themselves."""
         bins = flat[:, tables.first[start:stop].reshape(-1)]
         extras = tables.extras(start, stop)
         if extras is not None:
             positions, addresses = extras
             bins = bins.to(accumulation_dtype(flat.dtype))
             bins.index_add_(1, positions, flat[:, addresses].to(bins.dtype))
-            bins = bins.to(flat.dtype)
         return bins.view(-1, tables.first.shape[1])
 
     @staticmethod
@@ -148,12 +130,14 @@ class TorchBinnedOps(KNNConvOps):
         batch = x.shape[0]
         tables = self._tables(plan, x.device)
         flat = padded_flat_input(plan, x)
+        acc = accumulation_dtype(x.dtype)
+        bias_acc = None if bias is None else bias.to(acc)
         y = torch.empty(batch, plan.nout, plan.cout, dtype=x.dtype, device=x.device)
         for start, stop in self._node_chunks(plan, batch, x.element_size()):
-            rows = self._bins(flat, tables, start, stop) @ weight.t()
+            rows = matmul_accumulating(self._bins(flat, tables, start, stop), weight.t(), acc)
+            if bias_acc is not None:
+                rows += bias_acc
             y[:, start:stop] = rows.view(batch, stop - start, plan.cout)
-        if bias is not None:
-            y += bias.to(y.dtype)
         return y.transpose(1, 2)
 
     def grad_input(self, plan, grad_y, weight):

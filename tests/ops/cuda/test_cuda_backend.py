@@ -276,7 +276,7 @@ def test_a_first_use_that_disagrees_with_the_oracle_raises(monkeypatch, broken):
 
     monkeypatch.setattr(launch_class, "run", off_by_ten_percent)
     ops = CudaOps()  # nothing verified yet
-    with pytest.raises(RuntimeError, match="canary failed"):
+    with pytest.raises(RuntimeError, match="first-use check"):
         if broken == "forward":
             ops.forward(plan, x, weight, bias)
         else:

@@ -33,6 +33,7 @@ from .configs import (
     default_grad_weight_config,
     default_grad_weight_ksplit,
 )
+from .first_use import all_finite, disagreement
 from .launch import (
     COMPUTE_DTYPES,
     BackwardLaunch,
@@ -55,28 +56,6 @@ __all__ = [
     "default_grad_weight_config", "default_grad_weight_ksplit", "forward", "grad_input",
     "grad_weight", "reverse_tables",
 ]
-
-# Relative error against the torch_compact oracle above which a first-use canary fails.
-CANARY_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 5e-2}
-
-
-def _canary_error(value: torch.Tensor, reference: torch.Tensor) -> float:
-    """Relative error over the entries both results hold finite; NaN (a failed canary) when
-    the kernel left a NaN the oracle does not have, e.g. an unwritten, NaN-poisoned element.
-
-    Non-finite entries of the oracle come from the user's data (an inf in the first batch) and
-    are not compared: two correct fp32 accumulations can overflow differently at the fp16
-    edge.
-    """
-    value, reference = value.double(), reference.double()
-    if (torch.isnan(value) & ~torch.isnan(reference)).any():
-        return float("nan")
-    both = torch.isfinite(value) & torch.isfinite(reference)
-    value, reference = value[both], reference[both]
-    scale = reference.norm().item()
-    error = (value - reference).norm().item()
-    return error / scale if scale > 0 else error
-
 
 class _RecentLaunches:
     """A layer's launch plans by (direction, batch, dtype, ...), the most recent few kept:
@@ -103,9 +82,11 @@ class _RecentLaunches:
 class CudaOps(KNNConvOps):
     """Registry ops backed by the native kernels.
 
-    The first call of each (kernel, dtype, tile config) on a device is checked against the
-    torch_compact oracle on the same inputs (the forward with a NaN-poisoned output), and
-    raises if they disagree; later calls are not, and a first use inside CUDA-graph capture
+    The first call of each (kernel, dtype, tile config) on a device writes into NaN-poisoned
+    outputs and is checked against the torch_compact oracle in float32 on the same operands
+    (knnconv.ops.cuda.first_use says when a result passes), and raises if they disagree;
+    later calls are not. A first call whose operands hold a NaN or inf (the user's data) is
+    not judged, and the next call is checked instead. A first use inside CUDA-graph capture
     raises (warm up eagerly first).
     """
 
@@ -166,12 +147,20 @@ class CudaOps(KNNConvOps):
             )
         return True
 
-    def _canary(self, key: tuple, value: torch.Tensor, reference: torch.Tensor) -> None:
-        error = _canary_error(value, reference)
-        if not error <= CANARY_TOLERANCE[key[1]]:  # also catches NaN
+    def _check(self, key: tuple, value: torch.Tensor, compute, *operands) -> None:
+        """Judge a first use's ``value`` by ``compute`` (the oracle's computation of it) on
+        ``operands`` widened to float32, and on their absolute values for the allowance."""
+        if not all_finite(*operands):
+            return  # nothing to judge the kernel by; a later call with finite data is checked
+        wide = [None if t is None else t.float() for t in operands]
+        reference = compute(*wide)
+        magnitude = compute(*(None if t is None else t.abs() for t in wide))
+        ratio = disagreement(value, reference, magnitude)
+        if not ratio <= 1.0:  # also catches NaN
             raise RuntimeError(
-                f"knnconv cuda {key[0]} canary failed for {key}: relative error {error:.3g} "
-                "against torch_compact; please report this with your layer sizes"
+                f"knnconv cuda {key[0]} kernel failed its first-use check for {key}: an "
+                f"entry is {ratio:.3g} times further from the float32 reference than rounding "
+                "allows; please report this with your layer sizes"
             )
         with self._lock:
             self._verified.add(key)
@@ -197,7 +186,7 @@ class CudaOps(KNNConvOps):
         y, saved = launch.run(x, weight, bias, tables.input_linear, tables.weight_linear,
                               poison_output=first)
         if first:
-            self._canary(key, y, self._oracle.forward(plan, x, weight, bias))
+            self._check(key, y, lambda *args: self._oracle.forward(plan, *args), x, weight, bias)
         return y, saved
 
     def forward(self, plan, x, weight, bias):
@@ -233,14 +222,16 @@ class CudaOps(KNNConvOps):
         reverse = self.reverse(plan, device) if gathers else None
         grads = launch.run(grad_y, x, weight, tables.input_linear, tables.weight_linear, reverse,
                            poison=bool(first))
+        oracle = self._oracle
         if "input" in first:
-            self._canary(keys["input"], grads[0], self._oracle.grad_input(plan, grad_y, weight))
+            self._check(keys["input"], grads[0], lambda g, w: oracle.grad_input(plan, g, w),
+                        grad_y, weight)
         if "weight" in first:
             original = x.original() if isinstance(x, TransposedInput) else x
-            self._canary(keys["weight"], grads[1],
-                         self._oracle.grad_weight(plan, grad_y, original))
+            self._check(keys["weight"], grads[1], lambda g, xs: oracle.grad_weight(plan, g, xs),
+                        grad_y, original)
         if "bias" in first:
-            self._canary(keys["bias"], grads[2], grad_y.double().sum(dim=(0, 2)))
+            self._check(keys["bias"], grads[2], lambda g: g.sum(dim=(0, 2)), grad_y)
         return grads
 
     def grad_input(self, plan, grad_y, weight):
