@@ -253,10 +253,20 @@ def test_the_weight_gradient_refuses_an_x_it_would_misread():
                           None, plan.cin, plan.nin, plan.q, need_input=False)
 
 
-@pytest.mark.parametrize("ksplit", (1, 2, 3, 100))
+@pytest.mark.parametrize("ksplit", (1, 2, 3))
 def test_grad_weight_split_k_matches_reference(ksplit):
     check_all_entries(*make_case(ksplit, batch=200, cin=8, cout=64, dtype=torch.float16, nin=30,
                                  nout=5, k=9, padding=0.1), ksplit=ksplit)
+
+
+@pytest.mark.parametrize("ksplit", (0, 64, 100))
+def test_a_split_finer_than_the_batch_k_steps_is_refused(ksplit):
+    plan, x, weight, bias, grad_y = make_case(4, batch=40, cin=8, cout=64, dtype=torch.float16,
+                                              nin=30, nout=5, k=9)
+    tables = plan.on(DEVICE)
+    with pytest.raises(ValueError, match="cannot be honoured"):
+        knn_cuda.grad_weight(grad_y, x, tables.input_linear, tables.weight_linear, plan.q,
+                             ksplit=ksplit)
 
 
 @pytest.mark.parametrize("broken", ["forward", "backward"])

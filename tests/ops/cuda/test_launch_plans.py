@@ -178,3 +178,18 @@ def test_a_backward_handed_a_kept_relayout_pads_the_batch_as_it_is_padded(plans,
     # a padding the tiles cannot take is not used
     odd = launch.BackwardLaunch(**sizes, need_input=need_input, batch_padding=forward.bpad + 1)
     assert odd.bpad == alone.bpad
+
+
+@pytest.mark.parametrize("ksplit", [0, 64])
+def test_an_explicit_split_beyond_the_batch_k_steps_is_refused(monkeypatch, ksplit):
+    monkeypatch.setattr(launch, "get_kernel", lambda name, index: UnbuiltKernel())
+    monkeypatch.setattr(launch, "_shared_memory_limit", lambda index: 227 * 1024)
+    monkeypatch.setattr(launch, "_multiprocessors", lambda index: 132)
+    # B = 17 pads to a few k-steps at most: 64 splits cannot each get one
+    sizes = {"batch": 17, "cin": 8, "nin": 70, "cout": 64, "nout": 31, "q": 72, "p64": 128,
+             "dtype": torch.float16, "device": torch.device("cuda", 0), "need_input": False}
+    assert launch.BackwardLaunch(**sizes, ksplit=1).per_split >= 1
+    with pytest.raises(ValueError, match="cannot be honoured"):
+        launch.BackwardLaunch(**sizes, ksplit=ksplit)
+    with pytest.raises(TypeError, match="ksplit must be an int"):
+        launch.BackwardLaunch(**sizes, ksplit=2.0)

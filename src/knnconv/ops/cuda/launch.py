@@ -458,6 +458,20 @@ class ForwardLaunch:
         return y, saved
 
 
+def checked_ksplit(ksplit, k_tiles: int, batch: int, bk: int) -> int:
+    """A requested split of dW's batch contraction, as an int in [1, k_tiles]: each slice
+    needs at least one k-step of ``bk`` batch rows, so a split finer than the batch's k-steps
+    cannot be honoured and is refused rather than quietly coarsened."""
+    if isinstance(ksplit, bool) or not isinstance(ksplit, int):
+        raise TypeError(f"ksplit must be an int or None, got {type(ksplit).__name__}")
+    if not 1 <= ksplit <= k_tiles:
+        raise ValueError(
+            f"ksplit={ksplit} cannot be honoured: a batch of {batch} (padded to {k_tiles * bk}) "
+            f"has {k_tiles} k-step(s) of {bk} rows, and each split needs at least one; "
+            f"use 1 <= ksplit <= {k_tiles}, or None for the heuristic")
+    return ksplit
+
+
 class BackwardLaunch:
     """The backward of one (layer sizes, batch, dtypes, device, needed gradients).
 
@@ -567,6 +581,8 @@ class BackwardLaunch:
             if ksplit is None:
                 ksplit = default_grad_weight_ksplit(gw, bpad, gpad, p64, nout,
                                                     multiprocessors=_multiprocessors(index))
+            else:
+                ksplit = checked_ksplit(ksplit, k_tiles, batch, gw.bk)
             self.per_split = -(-k_tiles // max(1, int(ksplit)))
             self.p_tiles = p_tiles
             splits = -(-k_tiles // self.per_split)
