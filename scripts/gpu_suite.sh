@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # The whole GPU job in one command: install, GPU tests, the per-layer and whole-network
-# benchmarks, compute-sanitizer, the demo and fuzzing (results first, so a run cut short
-# still brings them back).
-#   bash scripts/gpu_suite.sh OUTDIR GEOMETRY_DIR [WHEEL_DIR]
+# benchmarks, compute-sanitizer, the demo, fovi-vs-knnconv convergence parity and fuzzing
+# (results first, so a run cut short still brings them back).
+#   bash scripts/gpu_suite.sh OUTDIR GEOMETRY_DIR [WHEEL_DIR [FOVI_TESTS]]
 # WHEEL_DIR: wheels installed with --no-deps before the tests, for a machine without network
 # (fovi's layer and model tests: pip download --no-deps "fovi==2.4.0" trimesh hydra-core
 # "omegaconf==2.3.1" --python-version 3.12 --only-binary=:all: -d WHEEL_DIR, and
 # pip wheel --no-deps "antlr4-python3-runtime==4.9.3" -w WHEEL_DIR; its other imports are
 # common).
-# Results (h200*.json/csv/png, networks.json, demo.png) land in OUTDIR; every stage's log, and
-# the example networks' (h200_alexnet.json, h200_resnet18.json), neighbourhood, re-layout,
-# torch_binned (h200_binned.*), host-path (host.json) and
-# same-run anchor benchmarks' JSON/PNG (the anchor stage needs fovi, from WHEEL_DIR), in
-# OUTDIR/logs.tar.gz; each stage's exit status and time are summarised in OUTDIR/summary.txt.
+# Results (h200*.json/png, networks.json, demo.png, convergence_parity.json/png) land in OUTDIR,
+# at most eight files there (what a device run brings back); every stage's log, the main bench's
+# h200.csv (the rows of h200.json), and the example networks' (h200_alexnet.json,
+# h200_resnet18.json), neighbourhood, re-layout, torch_binned (h200_binned.*), host-path
+# (host.json) and same-run anchor benchmarks' JSON/PNG, in OUTDIR/logs.tar.gz (the anchor and
+# convergence stages need fovi, from WHEEL_DIR); each stage's exit status and time are
+# summarised in OUTDIR/summary.txt.
+# FOVI_TESTS: a file of fovi's own tests of the module-level kernel API (its
+# tests/test_knn_cuda.py, imports pointed at knnconv.cuda), run by the fovi_api stage.
 # KNNCONV_STAGES="tests bench ..." runs only the stages named (install and wheels always run).
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUTDIR GEOMETRY_DIR}
@@ -40,8 +44,15 @@ if [ -n "${3:-}" ]; then
 fi
 nvidia-smi >"$out/logs/nvidia-smi.txt" 2>&1
 stage tests 300 python3 -m pytest tests -m gpu -v -p no:cacheprovider --durations=12
+if [ -n "${4:-}" ]; then
+  stage fovi_api 120 python3 -m pytest -v -p no:cacheprovider "$4"
+fi
+# every backend's half-precision error at gradient scales 1e-8 .. 1e4, against float64
+stage magnitudes 120 python3 scripts/gradient_magnitudes.py --device cuda \
+  --out "$out/logs/gpu_gradient_magnitudes.json"
 stage bench 240 python3 -m knnconv.bench --geometry "$geometry" --out "$out" --dtypes float16 \
   --backends reference,torch_compact,cuda --check --repeats 30 --warmup 3
+mv -f "$out/h200.csv" "$out/logs/" 2>/dev/null
 stage networks 60 python3 -m knnconv.bench_networks --geometry "$geometry" --out "$out"
 # the example networks' training steps, eager and under torch.compile(mode="reduce-overhead")
 stage models 240 sh -c "python3 -m knnconv bench --model alexnet --batches 32,128 \
@@ -67,6 +78,8 @@ stage anchor 240 python3 scripts/bench_anchor.py "$geometry" "$out/logs/anchor.j
 stage host 60 python3 scripts/bench_host.py "$geometry" "$out/logs/host.json"
 stage neighbourhood 120 python3 scripts/bench_neighbourhood.py "$out/logs/neighbourhood.json"
 stage demo 60 python3 -m knnconv demo --out "$out/demo.png"
+# a fovi KNNAlexNet trained through fovi's own layers and through knnconv, two seeds each
+stage convergence 180 python3 scripts/convergence_parity.py --out "$out"
 stage profile 60 env KNNCONV_CPROFILE=1 python3 scripts/profile_cells.py "$geometry" \
   rfmult-2:layer4.0.conv2:512 rfmult-2:layer4.0.conv2:2048 rfmult-2:conv1:2048
 sections="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis"
