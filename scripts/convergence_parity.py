@@ -46,8 +46,9 @@ STEM_K, K = 49, 9
 
 
 def build_model(in_res: int, features: list[int], seed: int, device: torch.device):
-    """The fovi KNNAlexNet, its weights drawn from ``seed``. Built on ``device``: fovi's own
-    layers keep their neighbour tables as plain attributes, which ``.to()`` does not move."""
+    """The fovi KNNAlexNet, its weights drawn from ``seed``. Built on ``device``, since fovi's
+    own layers keep their neighbour tables as plain attributes, which ``.to()`` does not move,
+    and then moved there, since its classifier is built on the CPU whatever ``device`` says."""
     from fovi.models.knnalexnet import KNNAlexNet
 
     torch.manual_seed(seed)
@@ -56,7 +57,7 @@ def build_model(in_res: int, features: list[int], seed: int, device: torch.devic
         in_res=in_res, in_channels=1, features_per_layer=features,
         stride_per_layer=[2] + [1] * (depth - 1), pool_after=sorted({0, depth - 1}),
         k_per_layer=[STEM_K] + [K] * (depth - 1), n_classes=demo.CLASSES, fov=16, cmf_a=0.5,
-        ref_frame_mult=2, field_geometry="legacy", device=str(device))
+        ref_frame_mult=2, field_geometry="legacy", device=str(device)).to(device)
 
 
 def backend_that_ran(layer: torch.nn.Module) -> str | None:
