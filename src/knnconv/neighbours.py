@@ -64,13 +64,14 @@ def _native_unsupported(x: torch.Tensor, dtype: torch.dtype, atomics: bool,
     if cells is not None and cells > MAX_NATIVE_CELLS:
         return (f"has V = {cells} kernel cells; its weight gradient holds at most "
                 f"{MAX_NATIVE_CELLS} in shared memory")
+    # first: tracing reaches neither the native kernels nor the cuda backend's first build
+    if torch.compiler.is_compiling():
+        return "is not traceable by torch.compile (backend='auto' uses torch ops there)"
     if x.device.type == "cuda":
         from .ops.cuda.neighbourhood import NATIVE_DTYPES
 
         if dtype not in NATIVE_DTYPES:
             return f"computes in float16/bfloat16/float32, got {dtype}"
-        if torch.compiler.is_compiling():
-            return "is not traceable by torch.compile (backend='auto' uses torch ops there)"
     from .ops.registry import get_ops
 
     return get_ops("cuda").call_reason(x.device, atomics=atomics, alternative="torch")

@@ -9,7 +9,7 @@ backend derives (launch buffers, reverse maps) are built once per device through
 
 from __future__ import annotations
 
-import itertools
+import hashlib
 import operator
 import threading
 import weakref
@@ -24,9 +24,13 @@ import torch
 from .persistent import build_persistent, on_builder_thread
 
 INT32_MAX = 2**31 - 1
-# Plans by integer handle: the handle names a plan inside torch.library op calls.
-_plans_by_handle: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_handles = itertools.count()
+# The live plans by handle (KNNConvPlan.handle), under the lock: a handle names a plan inside
+# torch.library op calls. Plans with one handle have the same sizes and tables (copies of one
+# plan, or one geometry built twice), so any of them serves a call. The lock is reentrant: a
+# plan's finalizer (_forget_handle) may run in a thread that holds it, when garbage collection
+# runs there.
+_plans_lock = threading.RLock()
+_plans_by_handle: dict[str, weakref.WeakSet] = {}
 SLOT_ALIGN = 64  # P is padded to a multiple of this so every kernel K-tile is full.
 
 
@@ -131,7 +135,11 @@ class DeviceTables:
 
 
 class KNNConvPlan:
-    """Sizes and tables of one KNN-convolution geometry; build with :func:`make_plan`."""
+    """Sizes and tables of one KNN-convolution geometry; build with :func:`make_plan`.
+
+    ``handle`` is the string that names the plan inside the knnconv custom ops; plans with the
+    same sizes and tables have the same handle.
+    """
 
     def __init__(
         self, knn_indices: torch.Tensor, rf_index: torch.Tensor, *, nin: int, v: int, cin: int,
@@ -210,14 +218,29 @@ class KNNConvPlan:
         return value
 
     def _register(self) -> None:
-        self.handle = next(_handles)
-        _plans_by_handle[self.handle] = self
+        # A string, never an int: torch.compile turns an int that differs between calls of one
+        # piece of code into a symbolic size, which names no plan, while a string stays a
+        # constant of the graph. Its content names the sizes and tables, so a graph that
+        # torch.compile cached on disk in another process serves only plans it fits.
+        digest = hashlib.blake2b(digest_size=16)
+        for table in (self._host.knn_indices, self._host.rf_index):
+            digest.update(table.numpy())
+        self.handle = (f"KNNConvPlan(cin={self.cin}, cout={self.cout}, nin={self.nin}, "
+                       f"nout={self.nout}, k={self.k}, v={self.v}, "
+                       f"tables={digest.hexdigest()})")
+        with _plans_lock:
+            plans = _plans_by_handle.setdefault(self.handle, weakref.WeakSet())
+            plans.add(self)
+            # stored again: the finalizer of a twin that died meanwhile may have dropped it
+            _plans_by_handle[self.handle] = plans
+        weakref.finalize(self, _forget_handle, self.handle)
 
     @staticmethod
-    def from_handle(handle: int) -> KNNConvPlan:
-        plan = _plans_by_handle.get(handle)
+    def from_handle(handle: str) -> KNNConvPlan:
+        with _plans_lock:
+            plan = next(iter(_plans_by_handle.get(handle, ())), None)
         if plan is None:
-            raise RuntimeError(f"knnconv plan handle {handle} names a plan that no longer exists")
+            raise RuntimeError(f"knnconv plan handle {handle!r} names no live plan")
         return plan
 
     def __getstate__(self) -> dict:
@@ -271,6 +294,14 @@ class KNNConvPlan:
             f"KNNConvPlan(cin={self.cin}, cout={self.cout}, nin={self.nin}, nout={self.nout}, "
             f"k={self.k}, v={self.v}, p64={self.p64}, padding={self.padding_fraction:.1%})"
         )
+
+
+def _forget_handle(handle: str) -> None:
+    """Drop a handle whose last plan has died (a WeakSet yields only live plans)."""
+    with _plans_lock:
+        plans = _plans_by_handle.get(handle)
+        if plans is not None and next(iter(plans), None) is None:
+            del _plans_by_handle[handle]
 
 
 def make_plan(

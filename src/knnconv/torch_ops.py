@@ -4,7 +4,7 @@ layers without graph breaks.
 
 Eager calls take KNNConvFunction (cheaper per call); traced calls take these ops. Both run
 functional.forward_impl / backward_impl, so the two paths compute the same thing. A plan
-travels through the op schema as its integer handle (KNNConvPlan.handle).
+travels through the op schema as its handle, a string (KNNConvPlan.handle).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from .ops.registry import get_ops
 from .plan import KNNConvPlan
 
 
-def _plan(handle: int) -> KNNConvPlan:
+def _plan(handle: str) -> KNNConvPlan:
     return KNNConvPlan.from_handle(handle)
 
 
@@ -30,7 +30,7 @@ def _node_major(y: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("knnconv::forward", mutates_args=())
-def forward_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: int,
+def forward_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: str,
                backend: str, dtype: torch.dtype, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, saved): y [B, Cout, Nout] in ``dtype``; saved, the backend's re-layout of x for the
     backward (empty when the backward uses x itself)."""
@@ -55,7 +55,7 @@ def _(x, weight, bias, plan, backend, dtype, keep):
 
 @torch.library.custom_op("knnconv::backward", mutates_args=())
 def backward_op(grad_y: torch.Tensor, x: torch.Tensor, saved: torch.Tensor,
-                weight: torch.Tensor, plan: int, backend: str, dtype: torch.dtype,
+                weight: torch.Tensor, plan: str, backend: str, dtype: torch.dtype,
                 need_x: bool, need_w: bool, bias_dtype: torch.dtype | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_x, grad_weight, grad_bias) in the dtypes of x, weight and the bias (bias_dtype;

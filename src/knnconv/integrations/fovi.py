@@ -22,6 +22,11 @@ Left as they are, and named in the report: ``gaussian`` pooling (knnconv's pooli
 mode), ``KNNGetterLayer`` (it returns the neighbourhoods themselves) and any subclass that
 overrides a method of fovi's forward path, whose meaning knnconv cannot know.
 
+Routed layers compile with ``torch.compile(fullgraph=True)``: what they need besides the
+layer's parameters is built before any call (the plan and the pooling table, when accelerate
+routes the layer; the mask of the nodes whose neighbours are all padding, a buffer fovi builds
+with the layer, applied by fovi's own ``_mask_invalid_outputs``), or is traceable.
+
 For finite inputs the routed layers give fovi's outputs and gradients. Where fovi differs:
 its pooling skips a NaN input as if it were padding (knnconv's propagates it), and its max
 pooling sends the gradient of tied maxima to one of them (knnconv's shares it).
@@ -49,8 +54,9 @@ except ImportError as error:
         "pip install --no-deps 'fovi==2.4.0' && pip install 'knnconv[fovi]'"
     ) from error
 
-# The methods fovi's layer forwards run through; a subclass that overrides one of them computes
-# something this module cannot know, so it is left as it is.
+# The methods fovi's layer forwards run through (the routed forwards call _mask_invalid_outputs
+# too); a subclass that overrides one of them computes something this module cannot know, so
+# it is left as it is.
 _FORWARD_PATH = ("forward", "_pad_and_gather_knns", "_apply_local_rf", "_mask_invalid_outputs")
 
 class _Unroutable(Exception):
@@ -108,15 +114,6 @@ class _PlanRouter(_Router):
     def _build_plan(self) -> KNNConvPlan:
         raise NotImplementedError
 
-    def _zero_nodes_without_neighbours(self, y: torch.Tensor) -> torch.Tensor:
-        """fovi's outputs are 0, bias included, at nodes whose neighbours are all padding."""
-        plan = self.plan
-        has_neighbours = lambda tables: (tables.knn_indices != plan.nin).any(dim=0)
-        if plan.derived("cpu", "fovi_every_node_has_neighbours",
-                        lambda tables: bool(has_neighbours(tables).all())):
-            return y
-        return torch.where(plan.derived(y.device, "fovi_has_neighbours", has_neighbours), y, 0.0)
-
 
 class _ConvRouter(_PlanRouter):
     """fovi's KNNConvLayer: one knn_conv with the layer's weight and bias."""
@@ -135,7 +132,7 @@ class _ConvRouter(_PlanRouter):
         layer = self.layer
         y, layer.last_backend = knn_conv_with_backend(x, layer.weight, layer.bias, self.plan,
                                                       self.backend)
-        return self._zero_nodes_without_neighbours(y)
+        return layer._mask_invalid_outputs(y)
 
 
 class _PatchEmbeddingRouter(_ConvRouter):
@@ -170,13 +167,21 @@ class _DepthwiseRouter(_PlanRouter):
         return (f"knn_conv over single channels into the kernel cells, then the per-channel "
                 f"kernel; backend={self.backend!r}, {self.plan}")
 
+    def _cells(self, x: torch.Tensor) -> torch.Tensor:
+        """The identity [V, V] kernel in x's dtype and on its device: cached by the plan for
+        eager calls, a constant of the graph under torch.compile (the cache is not traceable)."""
+        def identity(_tables=None) -> torch.Tensor:
+            return torch.eye(self.plan.v, dtype=x.dtype, device=x.device)
+
+        if torch.compiler.is_compiling():
+            return identity()
+        return self.plan.derived(x.device, f"fovi_identity_{x.dtype}", identity)
+
     def _depthwise(self, x: torch.Tensor) -> torch.Tensor:
         plan, layer = self.plan, self.layer
         batch, channels, nin = x.shape
-        cells = plan.derived(x.device, f"fovi_identity_{x.dtype}",
-                             lambda tables: torch.eye(plan.v, dtype=x.dtype, device=x.device))
         binned, layer.last_backend = knn_conv_with_backend(
-            x.reshape(batch * channels, 1, nin), cells, None, plan, self.backend)
+            x.reshape(batch * channels, 1, nin), self._cells(x), None, plan, self.backend)
         binned = binned.reshape(batch, channels, plan.v, plan.nout)
         kernel = getattr(layer, self.kernel_name)
         return torch.einsum("bcvn,cvg->bcgn", binned, kernel).reshape(batch, -1, plan.nout)
@@ -185,7 +190,7 @@ class _DepthwiseRouter(_PlanRouter):
         y = self._depthwise(x)
         if self.layer.bias is not None:
             y = y + self.layer.bias[:, None]
-        return self._zero_nodes_without_neighbours(y)
+        return self.layer._mask_invalid_outputs(y)
 
 
 class _DepthwiseSeparableRouter(_DepthwiseRouter):
@@ -196,7 +201,7 @@ class _DepthwiseSeparableRouter(_DepthwiseRouter):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         mixed = self.layer.p_conv(self._depthwise(x).transpose(1, 2)).transpose(1, 2)
-        return self._zero_nodes_without_neighbours(mixed)
+        return self.layer._mask_invalid_outputs(mixed)
 
 
 class _PoolRouter(_Router):
@@ -214,6 +219,8 @@ class _PoolRouter(_Router):
                                 nin=int(layer.knn_pad_token_val), mode=layer.mode)
         except (TypeError, ValueError) as error:
             raise _Unroutable(f"knnconv rejects its table: {error}") from error
+        # on the layer's device now, so that a first call under torch.compile need not move it
+        self.pool.to(layer._knn_output_valid_mask.device)
 
     def describe(self) -> str:
         return f"KNNPool({self.pool.extra_repr()})"
