@@ -1,8 +1,8 @@
 """Data-parallel training of a small KNN network with DistributedDataParallel.
 
-    torchrun --standalone --nproc_per_node=2 examples/ddp_train.py --device cuda  # 2 GPUs, NCCL
+    torchrun --standalone --nproc_per_node=2 examples/ddp_train.py   # GPUs (NCCL) if present
     torchrun --standalone --nproc_per_node=2 examples/ddp_train.py --device cpu   # gloo
-    python examples/ddp_train.py --device cpu                                     # 1 process
+    python examples/ddp_train.py                                     # 1 process
 
 Every run sees the same global batches (each rank its slice), so a data-parallel run follows
 the single-process loss trajectory at the same global batch; rank 0 writes the losses.
@@ -43,12 +43,18 @@ def global_batches(steps: int, batch: int, nin: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--device", choices=["cuda", "cpu"],
+                        help="default: cuda where a GPU is present, else cpu")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--out", default="ddp.json")
     args = parser.parse_args()
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA GPU is visible; leave --device out to run on "
+                         "the CPU")
     distributed = "WORLD_SIZE" in os.environ
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
-from knnconv import autotune, knn_conv_with_backend
-from knnconv.bench import load_geometry_dir, random_inputs
+from knnconv import knn_conv_with_backend
+from knnconv.ops import autotune
+from knnconv.tools.bench import load_geometry_dir, random_inputs
 
 DEVICE = torch.device("cuda")
 BATCHES = (128, 512, 2048)

@@ -27,7 +27,9 @@ from pathlib import Path
 
 import torch
 
-from knnconv.bench import (
+from knnconv.context import keep_input_relayout
+from knnconv.functional import knn_conv_with_backend
+from knnconv.tools.bench import (
     comma_list,
     geomean,
     int_at_least,
@@ -37,8 +39,7 @@ from knnconv.bench import (
     release_memory,
     time_calls,
 )
-from knnconv.bench_networks import NETWORKS
-from knnconv.functional import keep_input_relayout, knn_conv_with_backend
+from knnconv.tools.bench_networks import NETWORKS
 
 DEVICE = torch.device("cuda")
 MIB = 2**20
@@ -260,7 +261,7 @@ def main() -> None:
         row = {"model": model, "batch": batch}
         for field, (backend, keep) in NETWORK_MODES.items():
             # Measured twice, the second kept: whatever a process allocates once is then in
-            # place for every mode, so their order does not count (NOTES version 28).
+            # place for every mode, so their order does not count.
             with keep_input_relayout(keep):
                 for _ in range(2):
                     row[field] = network_peak_mib(args.geometry, model, batch, backend)

@@ -32,8 +32,8 @@ import knnconv
 import knnconv.functional
 import knnconv.ops.cuda
 import knnconv.ops.cuda.launch
-from knnconv.bench import load_geometry_dir, random_inputs, time_calls
 from knnconv.ops.cuda.launch import _Transpose
+from knnconv.tools.bench import load_geometry_dir, random_inputs, time_calls
 
 DEVICE = torch.device("cuda")
 LAYER, BATCH = "fovi-resnet18_a-0.5_res-64_rfmult-2:layer4.0.conv2", 128

@@ -14,8 +14,8 @@ import sys
 import torch
 
 from knnconv import KNNDepthwiseConv, KNNPool
-from knnconv.bench import time_calls
 from knnconv.geometry import foveated_stack, knn_geometry
+from knnconv.tools.bench import time_calls
 
 CHANNELS = 64
 BATCHES = (128, 512)

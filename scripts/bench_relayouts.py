@@ -19,8 +19,8 @@ import sys
 
 import torch
 
-from knnconv.bench import graph_replay_ms
 from knnconv.ops.cuda.launch import _Transpose
+from knnconv.tools.bench import graph_replay_ms
 
 DEVICE = torch.device("cuda")
 B = 2048

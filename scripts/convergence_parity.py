@@ -8,7 +8,7 @@ The model is a small fovi ``KNNAlexNet`` (a stride-2 k = 49 stem and k = 9 convs
 after the first and the last, a linear head) reading scikit-learn's digits the way
 ``knnconv demo`` does: each digit upsampled to 32x32 and sampled at the model's input
 coordinates. Per seed the model is built once and copied before ``accelerate``, so both paths
-start from the same weights, and ``knnconv.demo.train`` trains each (Adam, one-cycle schedule,
+start from the same weights, and ``knnconv.tools.demo.train`` trains each (Adam, one-cycle schedule,
 the batch order drawn from the seed; float16 autocast with a GradScaler on a GPU, float32 on
 the CPU). The train/test split is the same for every seed.
 
@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 import knnconv
-from knnconv import demo
-from knnconv.bench import comma_list, device_description, int_at_least
 from knnconv.integrations.fovi import accelerate_with_report
+from knnconv.tools import demo
+from knnconv.tools.bench import comma_list, device_description, int_at_least
 
 PATHS = ("fovi", "accelerated")
 METRICS = ("loss", "test_accuracy")

@@ -50,16 +50,16 @@ fi
 # every backend's half-precision error at gradient scales 1e-8 .. 1e4, against float64
 stage magnitudes 120 python3 scripts/gradient_magnitudes.py --device cuda \
   --out "$out/logs/gpu_gradient_magnitudes.json"
-stage bench 240 python3 -m knnconv.bench --geometry "$geometry" --out "$out" --dtypes float16 \
+stage bench 240 python3 -m knnconv.tools.bench --geometry "$geometry" --out "$out" --dtypes float16 \
   --backends reference,torch_compact,cuda --check --repeats 30 --warmup 3
 mv -f "$out/h200.csv" "$out/logs/" 2>/dev/null
-stage networks 60 python3 -m knnconv.bench_networks --geometry "$geometry" --out "$out"
+stage networks 60 python3 -m knnconv.tools.bench_networks --geometry "$geometry" --out "$out"
 # the example networks' training steps, eager and under torch.compile(mode="reduce-overhead")
 stage models 240 sh -c "python3 -m knnconv bench --model alexnet --batches 32,128 \
   --backends cuda --compile --repeats 10 --warmup 3 --out '$out/logs' --name h200 && \
   python3 -m knnconv bench --model resnet18 --batches 32,128 --backends cuda --compile \
   --repeats 10 --warmup 3 --out '$out/logs' --name h200"
-stage bench_bf16 60 python3 -m knnconv.bench --geometry "$geometry" --out "$out" \
+stage bench_bf16 60 python3 -m knnconv.tools.bench --geometry "$geometry" --out "$out" \
   --dtypes bfloat16 --backends cuda --name h200_bf16 --repeats 10 --warmup 2
 rm -f "$out/h200_bf16.csv" "$out/h200_bf16.png"
 stage memcheck 40 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_kernels.py
@@ -71,7 +71,7 @@ stage synccheck 40 compute-sanitizer --tool synccheck --error-exitcode 9 \
   python3 scripts/sanitize_kernels.py
 stage relayouts 60 python3 scripts/bench_relayouts.py "$out/logs/relayouts.json"
 # torch_binned against cuda apart, so its time cannot cut the main bench short
-stage bench_binned 120 python3 -m knnconv.bench --geometry "$geometry" --out "$out/logs" \
+stage bench_binned 120 python3 -m knnconv.tools.bench --geometry "$geometry" --out "$out/logs" \
   --dtypes float16 --backends torch_binned,cuda --modes forward,train --check --repeats 5 \
   --warmup 1 --name h200_binned
 stage anchor 240 python3 scripts/bench_anchor.py "$geometry" "$out/logs/anchor.json"

@@ -21,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import knnconv
-from knnconv.bench import load_geometry_dir, random_inputs
+from knnconv.tools.bench import load_geometry_dir, random_inputs
 
 
 def profile_cell(layer, batch: int) -> None:

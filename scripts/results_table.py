@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-from knnconv.bench import geomean
+from knnconv.tools.bench import geomean
 
 
 def graph_cells(row: dict | None) -> str:

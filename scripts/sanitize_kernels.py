@@ -13,9 +13,9 @@ import sys
 import torch
 
 import knnconv
-from knnconv.bench import relative_error
-from knnconv.cli import worst
 from knnconv.ops import cuda as knn_cuda
+from knnconv.tools.bench import relative_error
+from knnconv.tools.cli import worst
 
 EDGE_SHAPES = [  # (batch, cin, cout, nin, nout, k, v, padding)
     (1, 3, 1, 10, 1, 1, 1, 0.0),

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from knnconv.bench import graph_replay_ms, load_geometry_dir
 from knnconv.ops import cuda as knn_cuda
 from knnconv.ops.cuda import launch
 from knnconv.ops.cuda.configs import WALKING_MAX_THREADS, KernelConfig, check_config
+from knnconv.tools.bench import graph_replay_ms, load_geometry_dir
 
 # (bm, bn, rb, wm, wn): CTA tile (bm*rb) x bn over wm x wn warps. The small tiles give layers
 # with few nodes (and small batches) more CTAs than the GPU has SMs.

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from knnconv import KNNConvPlan, autotune, available_backends, get_ops, make_plan
+from knnconv import KNNConvPlan, available_backends, context, get_ops, make_plan
 from knnconv.ops import TorchCompactOps
 
 
@@ -82,13 +82,14 @@ def with_all_padding_node(geometry: Geometry) -> torch.Tensor:
 
 
 @pytest.fixture(autouse=True)
-def _auto_policy_without_autotuning(monkeypatch):
-    """Tests of auto's choice see its policy even where the user's environment turns
-    autotuning on (tests/test_autotune.py turns it on where it means to)."""
-    monkeypatch.delenv(autotune.ENVIRONMENT_SWITCH, raising=False)
-    autotune.enable(None)
+def _default_settings(monkeypatch):
+    """Every test starts from knnconv's default settings whatever the user's environment sets
+    (tests/ops/test_autotune.py turns autotuning on where it means to), and leaves them so."""
+    for variable in context.ENVIRONMENT.values():
+        monkeypatch.delenv(variable, raising=False)
+    context.reset()
     yield
-    autotune.enable(None)
+    context.reset()
 
 
 @pytest.fixture

@@ -321,3 +321,11 @@ def test_foveated_stack_levels_never_grow_even_for_tiny_sensors(resolution):
     assert all(later <= earlier for earlier, later in zip(sizes, sizes[1:], strict=False))
     if resolution == 1:
         assert sizes == [1, 1, 1, 1]
+
+
+def test_more_neighbours_than_inputs_warns_and_pads():
+    inputs = torch.rand(3, 2, dtype=torch.float64)
+    outputs = torch.rand(2, 2, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="k=5 is more than the 3 input points"):
+        knn, _, _ = knn_geometry(inputs, outputs, 5)
+    assert (knn[3:] == 3).all()

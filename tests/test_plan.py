@@ -116,7 +116,7 @@ BAD_ARGUMENTS = {
                  "rf_index must have an integer dtype"),
     "knn_1d": ("knn_indices", lambda t: t.flatten(), ValueError, "knn_indices must be 2-D"),
     "knn_empty": ("knn_indices", lambda t: t[:0], ValueError, "knn_indices must have K >= 1"),
-    "rf_transposed": ("rf_index", lambda t: t.t(), ValueError, "rf_index must have shape"),
+    "rf_transposed": ("rf_index", lambda t: t.t(), ValueError, "one of them is transposed"),
     "knn_negative": ("knn_indices", lambda t: with_entry(t, -1), ValueError,
                      r"knn_indices entries must lie in \[0, nin\]"),
     "knn_past_padding": ("knn_indices", lambda t: with_entry(t, NIN + 1), ValueError,
@@ -149,3 +149,10 @@ def test_numpy_integer_sizes_are_accepted():
 
     assert (plan.nin, plan.v) == (NIN, V)
     assert type(plan.nin) is int
+
+
+def test_a_transposed_knn_table_is_named_as_the_fault():
+    knn = torch.randint(0, 10, (4, 7))
+    rf = torch.randint(0, 5, (7, 4))
+    with pytest.raises(ValueError, match=r"knn_indices must be \[K, Nout\], rf_index \[Nout, K\]"):
+        make_plan(knn.t().contiguous(), rf, nin=10, v=5, cin=2, cout=3)

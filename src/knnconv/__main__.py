@@ -1,5 +1,5 @@
-"""``python -m knnconv``: the command line of :mod:`knnconv.cli`."""
+"""``python -m knnconv``: the command line of :mod:`knnconv.tools.cli`."""
 
-from .cli import main
+from .tools.cli import main
 
 raise SystemExit(main())

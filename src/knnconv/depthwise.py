@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._checks import as_index_tensor, check_positive, check_tables
 from .geometry import knn_geometry
 from .neighbours import (
     NativeTableCache,
@@ -23,8 +24,8 @@ from .neighbours import (
     gather_neighbours,
     resolve_neighbourhood_backend,
 )
+from .ops.cuda import neighbourhood
 from .ops.registry import accumulation_dtype
-from .plan import _as_index_tensor, _check_positive, _check_tables
 
 
 class KNNDepthwiseConv(nn.Module):
@@ -41,15 +42,15 @@ class KNNDepthwiseConv(nn.Module):
     def __init__(self, channels: int, knn_indices, rf_index, *, nin: int, v: int,
                  bias: bool = True, backend: str = "auto") -> None:
         super().__init__()
-        self.channels = _check_positive("channels", channels)
+        self.channels = check_positive("channels", channels)
         self.backend = check_backend(backend)
         self.last_backend: str | None = None  # which backend ran the last forward
         self._native_tables = NativeTableCache()
-        self.nin = _check_positive("nin", nin)
-        self.v = _check_positive("v", v)
-        knn_indices = _as_index_tensor("knn_indices", knn_indices).cpu().to(torch.int64)
-        rf_index = _as_index_tensor("rf_index", rf_index).cpu().to(torch.int64)
-        _check_tables(knn_indices, rf_index, self.nin, self.v)
+        self.nin = check_positive("nin", nin)
+        self.v = check_positive("v", v)
+        knn_indices = as_index_tensor("knn_indices", knn_indices).cpu().to(torch.int64)
+        rf_index = as_index_tensor("rf_index", rf_index).cpu().to(torch.int64)
+        check_tables(knn_indices, rf_index, self.nin, self.v)
         # The kernel cell each slot reads, [K, Nout] like knn_indices; padding slots read the
         # zero column V that forward appends to the weight.
         slot_cells = torch.where(knn_indices == self.nin, self.v, rf_index.t())
@@ -115,8 +116,6 @@ class _NativeDepthwise(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, tables, nin: int, dtype: torch.dtype):
-        from .ops.cuda import neighbourhood
-
         xc, wc = x.to(dtype).contiguous(), weight.to(dtype).contiguous()
         bc = None if bias is None else bias.to(dtype).contiguous()
         y = neighbourhood.depthwise_forward(xc, wc, bc, tables.knn, tables.cells, nin)
@@ -129,8 +128,6 @@ class _NativeDepthwise(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        from .ops.cuda import neighbourhood
-
         xc, wc = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         x_dtype, w_dtype, b_dtype = ctx.dtypes
@@ -161,7 +158,7 @@ class KNNDepthwiseSeparableConv(nn.Module):
         super().__init__()
         self.depthwise = KNNDepthwiseConv(in_channels, knn_indices, rf_index, nin=nin, v=v,
                                           bias=False, backend=backend)
-        self.pointwise = nn.Linear(in_channels, _check_positive("out_channels", out_channels),
+        self.pointwise = nn.Linear(in_channels, check_positive("out_channels", out_channels),
                                    bias=bias)
 
     @classmethod

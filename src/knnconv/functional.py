@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from .ops.registry import KNNConvOps, resolve_backend
+from . import context
+from ._checks import check_tensor
+from .ops.dispatch import resolve_backend
+from .ops.execute import backward_impl, compute_dtype, forward_impl
+from .ops.registry import KNNConvOps
 from .plan import KNNConvPlan
-
-
-def _check_tensor(name: str, value, *, floating: bool = True) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if floating and not value.is_floating_point():
-        raise TypeError(f"{name} must have a floating dtype, got {value.dtype}")
-    return value
+from .torch_ops import knn_conv_op
 
 
 def validate_call(x, weight, bias, plan) -> None:
@@ -24,8 +19,8 @@ def validate_call(x, weight, bias, plan) -> None:
         raise TypeError(
             f"plan must be a KNNConvPlan (see knnconv.make_plan), got {type(plan).__name__}"
         )
-    _check_tensor("x", x)
-    _check_tensor("weight", weight)
+    check_tensor("x", x)
+    check_tensor("weight", weight)
     if x.dim() != 3:
         raise ValueError(f"x must be 3-D [B, Cin, Nin], got shape {tuple(x.shape)}")
     if x.shape[1] != plan.cin or x.shape[2] != plan.nin:
@@ -41,90 +36,13 @@ def validate_call(x, weight, bias, plan) -> None:
     if weight.device != x.device:
         raise ValueError(f"weight is on {weight.device} but x is on {x.device}")
     if bias is not None:
-        _check_tensor("bias", bias)
+        check_tensor("bias", bias)
         if tuple(bias.shape) != (plan.cout,):
             raise ValueError(
                 f"bias must have shape [Cout] = [{plan.cout}], got {tuple(bias.shape)}"
             )
         if bias.device != x.device:
             raise ValueError(f"bias is on {bias.device} but x is on {x.device}")
-
-
-def compute_dtype(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  autocasting: bool) -> torch.dtype:
-    """The dtype the backend computes in: autocast's when active, except for a float64 x,
-    which autocast leaves alone as PyTorch's own ops do; else the (common) input dtype."""
-    if autocasting and x.dtype != torch.float64:
-        return torch.get_autocast_dtype(x.device.type)
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and t.dtype != x.dtype:
-            raise TypeError(
-                f"{name} has dtype {t.dtype} but x has {x.dtype}; cast them to one dtype "
-                "or run under torch.autocast"
-            )
-    return x.dtype
-
-
-_keep_input_relayout = False
-
-
-def set_keep_input_relayout(enabled: bool) -> bool:
-    """Whether a training forward keeps the backend's re-layout of x for the backward.
-
-    False (the default): the forward keeps x itself and the cuda backend's backward re-lays
-    it out again, so a layer holds no copy of its input between forward and backward. True:
-    the cuda backend keeps its batch-contiguous copy of x from the forward and the backward
-    skips that re-layout, a few percent faster for noticeably more peak memory (measured on
-    whole networks: README "Memory or speed", bench/NOTES.md versions 24 and 29). The torch backends
-    keep x either way. Returns the previous setting. Read at every call; a torch.compile'd
-    graph keeps the setting it was traced with.
-    """
-    global _keep_input_relayout
-    previous, _keep_input_relayout = _keep_input_relayout, bool(enabled)
-    return previous
-
-
-@contextlib.contextmanager
-def keep_input_relayout(enabled: bool):
-    """:func:`set_keep_input_relayout` (``enabled``) for a block, the previous setting after."""
-    previous = set_keep_input_relayout(enabled)
-    try:
-        yield
-    finally:
-        set_keep_input_relayout(previous)
-
-
-def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """tensor.to(dtype) without the dispatcher round trip when it already is (most calls)."""
-    return tensor if tensor.dtype == dtype else tensor.to(dtype)
-
-
-def forward_impl(plan: KNNConvPlan, ops: KNNConvOps, x, weight, bias, dtype: torch.dtype,
-                 keep_for_backward: bool):
-    """y in the compute dtype, and what the weight gradient needs of x (x in the compute dtype,
-    or the backend's own re-layout of it, see KNNConvOps.forward_saving)."""
-    xc, wc = _in_dtype(x, dtype), _in_dtype(weight, dtype)
-    keep_bias = bias is None or (ops.float32_bias and bias.dtype == torch.float32)
-    bc = bias if keep_bias else _in_dtype(bias, dtype)
-    if x.shape[0] == 0:  # an empty batch is legal; no backend needs to handle it
-        return xc.new_empty(0, plan.nout, plan.cout).transpose(1, 2), xc
-    if keep_for_backward:
-        return ops.forward_saving(plan, xc, wc, bc)
-    return ops.forward(plan, xc, wc, bc), xc
-
-
-def backward_impl(plan: KNNConvPlan, ops: KNNConvOps, grad_y, saved_x, weight, needs, dtypes,
-                  dtype: torch.dtype):
-    """(grad_x, grad_weight, grad_bias), None where not needed, each in the dtype of the tensor
-    it belongs to (``dtypes``), accumulated in at least float32."""
-    grad_y = _in_dtype(grad_y, dtype)
-    wc = _in_dtype(weight, dtype) if needs[0] else None
-    if grad_y.shape[0] == 0:
-        grad_x = grad_y.new_zeros(0, plan.cin, plan.nin, dtype=dtypes[0]) if needs[0] else None
-        grad_w = grad_y.new_zeros(plan.cout, plan.q, dtype=dtypes[1]) if needs[1] else None
-        grad_b = grad_y.new_zeros(plan.cout, dtype=dtypes[2]) if needs[2] else None
-        return grad_x, grad_w, grad_b
-    return ops.gradients(plan, grad_y, saved_x, wc, needs, dtypes)
 
 
 class KNNConvFunction(torch.autograd.Function):
@@ -138,8 +56,8 @@ class KNNConvFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, plan: KNNConvPlan, ops: KNNConvOps, dtype: torch.dtype):
         need_x, need_w = ctx.needs_input_grad[:2]
-        y, saved_x = forward_impl(plan, ops, x, weight, bias, dtype,
-                                  keep_for_backward=need_w and _keep_input_relayout)
+        keep = need_w and context.settings().keep_input_relayout
+        y, saved_x = forward_impl(plan, ops, x, weight, bias, dtype, keep_for_backward=keep)
         if isinstance(saved_x, torch.Tensor):
             ctx.save_for_backward(saved_x if need_w else None, weight if need_x else None)
             ctx.saved_input = None
@@ -180,9 +98,8 @@ def knn_conv_with_backend(x, weight, bias, plan, backend="auto") -> tuple[torch.
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
     ops = resolve_backend(backend, plan, x.device, dtype, batch=x.shape[0], backward=backward)
     if torch.compiler.is_compiling():
-        from .torch_ops import knn_conv_op
-
-        return knn_conv_op(x, weight, bias, plan, ops.name, dtype, _keep_input_relayout), ops.name
+        keep = context.settings().keep_input_relayout
+        return knn_conv_op(x, weight, bias, plan, ops.name, dtype, keep), ops.name
     if not autocasting:
         return _eager(plan, ops, x, weight, bias, dtype, backward), ops.name
     with torch.autocast(device_type, enabled=False):  # the backend must not recast inside

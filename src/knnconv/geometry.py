@@ -11,10 +11,11 @@ run them on.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
-from .plan import _check_positive
+from ._checks import check_positive
 
 __all__ = ["foveated_coords", "foveated_stack", "knn_geometry"]
 
@@ -53,11 +54,14 @@ def knn_geometry(in_coords, out_coords, k, *, ref_side=None):
     """
     in_points = _as_coords(in_coords, "in_coords")
     out_points = _as_coords(out_coords, "out_coords")
-    k = _check_positive("k", k)
-    side = math.isqrt(k - 1) + 1 if ref_side is None else _check_positive("ref_side", ref_side)
+    k = check_positive("k", k)
+    side = math.isqrt(k - 1) + 1 if ref_side is None else check_positive("ref_side", ref_side)
 
     n_in = in_points.shape[0]
     n_real = min(k, n_in)
+    if k > n_in:
+        warnings.warn(f"k={k} is more than the {n_in} input points: the last {k - n_in} "
+                      "neighbour slots of every output point are padding", stacklevel=2)
     nearest = torch.cat(
         [
             _nearest_inputs(in_points, out_chunk, n_real)
@@ -136,8 +140,8 @@ def foveated_stack(resolution=64, a=0.5, levels=5):
     Returns:
         list of ``levels`` float64 tensors ``[N_l, 2]``.
     """
-    resolution = _check_positive("resolution", resolution)
-    levels = _check_positive("levels", levels)
+    resolution = check_positive("resolution", resolution)
+    levels = check_positive("levels", levels)
     target_points = math.pi / 4.0 * resolution**2
     n_rings = 1
     while sum(_ring_layout(n_rings, a, 1.0)[1]) < target_points:
@@ -156,7 +160,7 @@ def foveated_stack(resolution=64, a=0.5, levels=5):
 
 def _ring_layout(n_rings, a, fov_radius):
     """Radii and point counts of the rings of :func:`foveated_coords`."""
-    n_rings = _check_positive("n_rings", n_rings)
+    n_rings = check_positive("n_rings", n_rings)
     a = _positive_float(a, "a")
     fov_radius = _positive_float(fov_radius, "fov_radius")
     if n_rings == 1:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .functional import knn_conv_with_backend
+from .geometry import knn_geometry
 from .ops.registry import get_ops
 from .plan import make_plan
 
@@ -40,8 +41,6 @@ class KNNConv(nn.Module):
                     ref_side: int | None = None, bias: bool = True,
                     backend: str = "auto") -> KNNConv:
         """Build the layer from 2-D input and output coordinates (see knnconv.geometry)."""
-        from .geometry import knn_geometry
-
         knn_indices, rf_index, v = knn_geometry(in_coords, out_coords, k, ref_side=ref_side)
         return cls(in_channels, out_channels, knn_indices, rf_index, nin=len(in_coords), v=v,
                    bias=bias, backend=backend)

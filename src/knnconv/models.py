@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .functional import _check_tensor
+from ._checks import check_tensor
 from .geometry import _as_coords, foveated_stack
 from .layers import KNNConv
 from .pool import KNNPool
@@ -27,7 +27,7 @@ def sample_images(images: torch.Tensor, coords) -> torch.Tensor:
     images' outer pixel edges. Points on the edge take the edge pixels' values rather than
     fading into a zero border.
     """
-    _check_tensor("images", images)
+    check_tensor("images", images)
     if images.dim() != 4:
         raise ValueError(f"images must be 4-D [B, C, H, W], got shape {tuple(images.shape)}")
     points = _as_coords(coords, "coords").to(images)

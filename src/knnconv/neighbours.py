@@ -16,14 +16,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .functional import _check_tensor
+from ._checks import check_tensor
+from .ops.cuda.launch import reverse_tables
+from .ops.cuda.neighbourhood import NATIVE_DTYPES
+from .ops.registry import get_ops
 from .persistent import build_persistent
 
 
 def check_features(x, nin: int, channels: int | None = None) -> None:
     """Raise TypeError/ValueError naming ``x`` unless it is a floating [B, channels, nin] tensor
     (any channel count when ``channels`` is None)."""
-    _check_tensor("x", x)
+    check_tensor("x", x)
     if x.dim() != 3:
         raise ValueError(f"x must be 3-D [B, C, Nin], got shape {tuple(x.shape)}")
     if x.shape[2] != nin or (channels is not None and x.shape[1] != channels):
@@ -68,12 +71,8 @@ def _native_unsupported(x: torch.Tensor, dtype: torch.dtype, atomics: bool,
     if torch.compiler.is_compiling():
         return "is not traceable by torch.compile (backend='auto' uses torch ops there)"
     if x.device.type == "cuda":
-        from .ops.cuda.neighbourhood import NATIVE_DTYPES
-
         if dtype not in NATIVE_DTYPES:
             return f"computes in float16/bfloat16/float32, got {dtype}"
-    from .ops.registry import get_ops
-
     return get_ops("cuda").call_reason(x.device, atomics=atomics, alternative="torch")
 
 
@@ -105,8 +104,6 @@ class NativeTables:
 def native_tables(knn_indices: torch.Tensor, nin: int,
                   slot_cells: torch.Tensor | None = None) -> NativeTables:
     """The NativeTables of a neighbour table (and a depthwise layer's slot cells)."""
-    from .ops.cuda.launch import reverse_tables
-
     cells = slot_cells if slot_cells is not None else torch.zeros_like(knn_indices)
     real = (knn_indices != nin).sum(dim=0).clamp_min(1)
     return NativeTables(

@@ -1,7 +1,7 @@
 """KNNConvPlan: the sizes and index tables of one KNN-convolution layer geometry.
 
 A plan is built once per layer and shared by every call. It holds the raw neighbour
-tables (knn_indices, rf_index) and the compact int32 tables of the seed design
+tables (knn_indices, rf_index) and the compact int32 gather tables
 (input_linear, weight_linear), copied lazily to each device they are used on. Tables a
 backend derives (launch buffers, reverse maps) are built once per device through
 :meth:`KNNConvPlan.derived` and live as long as the plan.
@@ -10,7 +10,6 @@ backend derives (launch buffers, reverse maps) are built once per device through
 from __future__ import annotations
 
 import hashlib
-import operator
 import threading
 import weakref
 from collections.abc import Callable
@@ -18,9 +17,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
 import torch
 
+from ._checks import as_index_tensor, check_positive, check_tables
 from .persistent import build_persistent, on_builder_thread
 
 INT32_MAX = 2**31 - 1
@@ -34,79 +33,19 @@ _plans_by_handle: dict[str, weakref.WeakSet] = {}
 SLOT_ALIGN = 64  # P is padded to a multiple of this so every kernel K-tile is full.
 
 
-def _as_index_tensor(name: str, table: Any) -> torch.Tensor:
-    if isinstance(table, np.ndarray):
-        table = torch.from_numpy(np.ascontiguousarray(table))
-    if not isinstance(table, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or numpy array, got {type(table).__name__}")
-    if table.is_floating_point() or table.is_complex() or table.dtype == torch.bool:
-        raise TypeError(f"{name} must have an integer dtype, got {table.dtype}")
-    if table.device.type == "meta":
-        raise ValueError(f"{name} is a meta tensor: it has no values to build the tables from")
-    return table
-
-
-def _as_index(value: Any) -> int | None:
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
-def _check_positive(name: str, value: Any) -> int:
-    """value as an int >= 1: any integer (numpy's, a 0-d integer tensor), not a bool."""
-    as_int = None if isinstance(value, bool) else _as_index(value)
-    if as_int is None:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if as_int < 1:
-        raise ValueError(f"{name} must be >= 1, got {as_int}")
-    return as_int
-
-
-def check_knn_indices(knn_indices: torch.Tensor, nin: int) -> None:
-    """ValueError naming knn_indices unless it is [K, Nout] with K, Nout >= 1 and entries in
-    [0, nin]."""
-    if knn_indices.dim() != 2:
-        raise ValueError(f"knn_indices must be 2-D [K, Nout], got shape {tuple(knn_indices.shape)}")
-    k, nout = knn_indices.shape
-    if k < 1 or nout < 1:
-        raise ValueError(f"knn_indices must have K >= 1 and Nout >= 1, got shape {(k, nout)}")
-    kmin, kmax = int(knn_indices.min()), int(knn_indices.max())
-    if kmin < 0 or kmax > nin:
-        raise ValueError(
-            f"knn_indices entries must lie in [0, nin] = [0, {nin}] (nin marks padding), "
-            f"got range [{kmin}, {kmax}]"
-        )
-
-
-def _check_tables(knn_indices: torch.Tensor, rf_index: torch.Tensor, nin: int, v: int) -> None:
-    check_knn_indices(knn_indices, nin)
-    k, nout = knn_indices.shape
-    if tuple(rf_index.shape) != (nout, k):
-        raise ValueError(
-            f"rf_index must have shape [Nout, K] = [{nout}, {k}] to match knn_indices, "
-            f"got {tuple(rf_index.shape)}"
-        )
-    rmin, rmax = int(rf_index.min()), int(rf_index.max())
-    if rmin < 0 or rmax >= v:
-        raise ValueError(
-            f"rf_index entries must lie in [0, v) = [0, {v}), got range [{rmin}, {rmax}]"
-        )
-
-
 def compact_tables(
     knn_indices: torch.Tensor, rf_index: torch.Tensor, cin: int, nin: int, v: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The seed's persistent int32 gather tables, each [Nout, P64].
+    """The persistent int32 gather tables of knnconv.cuda's API, each [Nout, P64].
 
     Slot p = c*K + k. ``input_linear[n, p] = c*Nin + knn[k, n]`` (``Cin*Nin`` for a padding
     neighbour and for every slot p >= Cin*K); ``weight_linear[n, p] = c*V + rf[n, k]``
     (0 on the slots p >= Cin*K). The tables live on the device of ``knn_indices``.
     """
-    knn_indices = _as_index_tensor("knn_indices", knn_indices)
-    rf_index = _as_index_tensor("rf_index", rf_index).to(knn_indices.device)
-    cin, nin, v = (_check_positive(n, val) for n, val in (("cin", cin), ("nin", nin), ("v", v)))
-    _check_tables(knn_indices, rf_index, nin, v)
+    knn_indices = as_index_tensor("knn_indices", knn_indices)
+    rf_index = as_index_tensor("rf_index", rf_index).to(knn_indices.device)
+    cin, nin, v = (check_positive(n, val) for n, val in (("cin", cin), ("nin", nin), ("v", v)))
+    check_tables(knn_indices, rf_index, nin, v)
     if cin * nin + 1 > INT32_MAX or cin * v > INT32_MAX:
         raise ValueError(f"cin*nin ({cin * nin}) and cin*v ({cin * v}) must fit in int32")
     k, nout = knn_indices.shape
@@ -145,12 +84,12 @@ class KNNConvPlan:
         self, knn_indices: torch.Tensor, rf_index: torch.Tensor, *, nin: int, v: int, cin: int,
         cout: int,
     ) -> None:
-        knn_indices = _as_index_tensor("knn_indices", knn_indices)
-        rf_index = _as_index_tensor("rf_index", rf_index)
-        self.nin = _check_positive("nin", nin)
-        self.v = _check_positive("v", v)
-        self.cin = _check_positive("cin", cin)
-        self.cout = _check_positive("cout", cout)
+        knn_indices = as_index_tensor("knn_indices", knn_indices)
+        rf_index = as_index_tensor("rf_index", rf_index)
+        self.nin = check_positive("nin", nin)
+        self.v = check_positive("v", v)
+        self.cin = check_positive("cin", cin)
+        self.cout = check_positive("cout", cout)
         input_linear, weight_linear = compact_tables(
             knn_indices.cpu(), rf_index.cpu(), self.cin, self.nin, self.v
         )

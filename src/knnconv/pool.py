@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ._checks import as_index_tensor, check_knn_indices, check_positive
 from .geometry import knn_geometry
 from .neighbours import (
     NativeTableCache,
@@ -20,8 +21,8 @@ from .neighbours import (
     native_tables,
     resolve_neighbourhood_backend,
 )
+from .ops.cuda import neighbourhood
 from .ops.registry import accumulation_dtype
-from .plan import _as_index_tensor, _check_positive, check_knn_indices
 
 POOL_MODES = ("max", "avg", "sum")
 
@@ -36,7 +37,7 @@ def knn_pool(x: torch.Tensor, knn_indices, nin: int, mode: str = "max",
     'auto' (cuda where it serves). The KNNPool layer caches the native tables; this function
     builds them per call.
     """
-    nin = _check_positive("nin", nin)
+    nin = check_positive("nin", nin)
     knn_indices = checked_knn_indices(knn_indices, nin)
     check_features(x, nin)
     mode = check_mode(mode)
@@ -57,8 +58,6 @@ class _NativePool(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, tables, nin: int, mode: str):
-        from .ops.cuda import neighbourhood
-
         x = x.contiguous()
         y, ties = neighbourhood.pool_forward(x, tables.knn, nin, mode)
         ctx.tables, ctx.mode, ctx.nin, ctx.dtype = tables, mode, nin, x.dtype
@@ -68,8 +67,6 @@ class _NativePool(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        from .ops.cuda import neighbourhood
-
         x, y, ties = ctx.saved_tensors if ctx.mode == "max" else (None, None, None)
         grad_y = grad_y.to(ctx.dtype).contiguous()
         dx = neighbourhood.pool_backward(grad_y, x, y, ties, ctx.tables.scale,
@@ -79,7 +76,7 @@ class _NativePool(torch.autograd.Function):
 
 def checked_knn_indices(knn_indices, nin: int) -> torch.Tensor:
     """knn_indices as int64 [K, Nout]; TypeError/ValueError naming it unless it is a valid table."""
-    knn_indices = _as_index_tensor("knn_indices", knn_indices)
+    knn_indices = as_index_tensor("knn_indices", knn_indices)
     check_knn_indices(knn_indices, nin)
     return knn_indices.to(torch.int64)
 
@@ -123,7 +120,7 @@ class KNNPool(nn.Module):
     def __init__(self, knn_indices, *, nin: int, mode: str = "max",
                  backend: str = "auto") -> None:
         super().__init__()
-        self.nin = _check_positive("nin", nin)
+        self.nin = check_positive("nin", nin)
         self.mode = check_mode(mode)
         self.backend = check_backend(backend)
         self.last_backend: str | None = None  # which backend ran the last forward

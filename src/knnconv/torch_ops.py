@@ -3,14 +3,15 @@ nodes with shape functions and a registered backward, and compiles a network of 
 layers without graph breaks.
 
 Eager calls take KNNConvFunction (cheaper per call); traced calls take these ops. Both run
-functional.forward_impl / backward_impl, so the two paths compute the same thing. A plan
-travels through the op schema as its handle, a string (KNNConvPlan.handle).
+knnconv.ops.execute's forward_impl / backward_impl, so the two paths compute the same thing.
+A plan travels through the op schema as its handle, a string (KNNConvPlan.handle).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .ops.execute import backward_impl, forward_impl
 from .ops.registry import get_ops
 from .plan import KNNConvPlan
 
@@ -34,8 +35,6 @@ def forward_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                backend: str, dtype: torch.dtype, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, saved): y [B, Cout, Nout] in ``dtype``; saved, the backend's re-layout of x for the
     backward (empty when the backward uses x itself)."""
-    from .functional import forward_impl
-
     ops = get_ops(backend)
     y, saved_x = forward_impl(_plan(plan), ops, x, weight, bias, dtype, keep)
     # x itself is not returned: the backward takes it from its inputs
@@ -60,8 +59,6 @@ def backward_op(grad_y: torch.Tensor, x: torch.Tensor, saved: torch.Tensor,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_x, grad_weight, grad_bias) in the dtypes of x, weight and the bias (bias_dtype;
     None when its gradient is not needed); empty where not needed."""
-    from .functional import backward_impl
-
     layer, ops = _plan(plan), get_ops(backend)
     saved_x = None
     if need_w:
@@ -115,6 +112,6 @@ forward_op.register_autograd(_backward, setup_context=_setup_context)
 def knn_conv_op(x, weight, bias, plan: KNNConvPlan, backend: str, dtype: torch.dtype,
                 keep_relayout: bool):
     """knn_conv through the custom ops (the traced path of functional.knn_conv).
-    keep_relayout: see functional.set_keep_input_relayout."""
+    keep_relayout: knnconv.context's keep_input_relayout."""
     keep = keep_relayout and weight.requires_grad and torch.is_grad_enabled()
     return forward_op(x, weight, bias, plan.handle, backend, dtype, keep)[0]

@@ -77,7 +77,7 @@ def assert_close(actual: list, expected: list) -> None:
             assert rel_err(got, want) < TOLERANCE
 
 
-# What auto takes for these tests' small CPU batches (knnconv.ops.registry.torch_policy).
+# What auto takes for these tests' small CPU batches (knnconv.ops.dispatch.torch_policy).
 AUTO_ON_CPU = "torch_binned"
 
 

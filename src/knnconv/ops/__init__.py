@@ -1,5 +1,13 @@
-"""Backends behind one interface: see :mod:`knnconv.ops.registry`."""
+"""Backends behind one interface (:mod:`knnconv.ops.registry`), the dispatcher that picks one
+per call (:mod:`knnconv.ops.dispatch`) and the autotuner it consults (:mod:`knnconv.ops.autotune`).
 
+Tiers, each importing only those above it: registry (the interface) -> the backends
+(reference, torch_compact, torch_binned, cuda) -> execute (running one on a call) and timing ->
+autotune -> dispatch.
+"""
+
+from .cuda import CudaOps
+from .dispatch import resolve_backend
 from .reference import ReferenceOps
 from .registry import (
     KNNConvOps,
@@ -7,7 +15,6 @@ from .registry import (
     get_ops,
     register_lazy_ops,
     register_ops,
-    resolve_backend,
 )
 from .torch_binned import TorchBinnedOps
 from .torch_compact import TorchCompactOps
@@ -15,18 +22,9 @@ from .torch_compact import TorchCompactOps
 register_ops(ReferenceOps())
 register_ops(TorchCompactOps())
 register_ops(TorchBinnedOps())
-
-
-def _load_cuda_ops() -> KNNConvOps:
-    from .cuda import CudaOps
-
-    return CudaOps()
-
-
-register_lazy_ops("cuda", _load_cuda_ops)
+register_ops(CudaOps())
 
 __all__ = [
-    "KNNConvOps", "ReferenceOps", "TorchBinnedOps", "TorchCompactOps", "available_backends",
-    "get_ops",
-    "register_ops", "register_lazy_ops", "resolve_backend",
+    "CudaOps", "KNNConvOps", "ReferenceOps", "TorchBinnedOps", "TorchCompactOps",
+    "available_backends", "get_ops", "register_ops", "register_lazy_ops", "resolve_backend",
 ]

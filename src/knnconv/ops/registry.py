@@ -1,4 +1,4 @@
-"""The one interface every backend implements, the registry of backends, and the auto policy.
+"""The one interface every backend implements, and the registry of backends.
 
 A backend computes in the dtype it is handed (the autograd layer has already applied autocast).
 Its grad_input, grad_weight and backward_combined return gradients accumulated in float32
@@ -51,7 +51,7 @@ class KNNConvOps:
     def saved_layout(self, plan: KNNConvPlan, batch: int, dtype: torch.dtype):
         """Shape of the tensor form of forward_saving's re-layout of a [batch, Cin, Nin] x in
         ``dtype``, or None when forward_saving returns x itself (never asked for batch 0,
-        which functional.forward_impl serves with x itself)."""
+        which knnconv.ops.execute.forward_impl serves with x itself)."""
         return None
 
     def saved_tensor(self, saved_x) -> torch.Tensor:
@@ -140,64 +140,4 @@ def get_ops(name: str) -> KNNConvOps:
         raise ValueError(
             f"unknown backend {name!r}; choose 'auto' or one of {available_backends()}"
         )
-    return ops
-
-
-_autotune_choose: Callable | None = None
-
-
-def _autotuned(plan: KNNConvPlan, batch: int, device: torch.device,
-               dtype: torch.dtype) -> str | None:
-    global _autotune_choose
-    if _autotune_choose is None:  # imported on first use: knnconv.autotune imports this module
-        from ..autotune import choose
-
-        _autotune_choose = choose
-    return _autotune_choose(plan, batch, device, dtype)
-
-
-# On the CPU torch_binned's dense GEMMs beat torch_compact's per-node products wherever a
-# node has no more cells than neighbours (V <= K: 1.2-3.1x at B = 64) and, at batches up to 8,
-# on the published layers whatever V (B = 1: 1.6-104x; B = 8: all training steps, all but two
-# forwards, those at 0.85-0.99x); at B = 64 with V = 4K it does four times the FLOPs and loses
-# (0.25-0.91x). bench/NOTES.md version 27.
-BINNED_ANY_CELLS_MAX_BATCH = 8
-
-
-def torch_policy(plan: KNNConvPlan, device: torch.device, batch) -> str:
-    """The torch backend auto takes: torch_binned on the CPU where it is the faster one (see
-    BINNED_ANY_CELLS_MAX_BATCH), else torch_compact. ``batch``: an int, or None / a symbolic
-    size under torch.compile, where only the V <= K rule applies."""
-    if device.type != "cpu":
-        return "torch_compact"
-    if plan.v <= plan.k:
-        return "torch_binned"
-    small = isinstance(batch, int) and batch <= BINNED_ANY_CELLS_MAX_BATCH
-    return "torch_binned" if small else "torch_compact"
-
-
-def resolve_backend(name: str, plan: KNNConvPlan, device: torch.device, dtype: torch.dtype,
-                    batch: int | None = None, *, backward: bool = True) -> KNNConvOps:
-    """The backend that will serve a call: ``name`` itself, or the auto policy's choice.
-
-    An explicitly named backend that cannot serve the call raises; it never falls back.
-    Auto takes the measured choice for the call's cell when autotuning is on (see
-    knnconv.autotune; ``batch`` is needed for it), else picks the native CUDA backend for
-    CUDA tensors it supports, else the torch backend of :func:`torch_policy`. ``backward``:
-    whether the call's gradients will be computed (see KNNConvOps.unsupported_reason).
-    """
-    if name == "auto":
-        if batch is not None:
-            tuned = _autotuned(plan, batch, device, dtype)
-            if tuned is not None:
-                return get_ops(tuned)
-        if device.type == "cuda" and "cuda" in available_backends():
-            cuda_ops = get_ops("cuda")
-            if cuda_ops.unsupported_reason(plan, device, dtype, backward=backward) is None:
-                return cuda_ops
-        return get_ops(torch_policy(plan, device, batch))
-    ops = get_ops(name)
-    reason = ops.unsupported_reason(plan, device, dtype, backward=backward)
-    if reason is not None:
-        raise ValueError(f"backend {name!r} cannot run this call: {reason}")
     return ops

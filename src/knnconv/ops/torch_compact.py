@@ -1,4 +1,4 @@
-"""Compact gather-GEMM in plain PyTorch: the seed's tables, batched matmuls, fp32 index_add_.
+"""Compact gather-GEMM in plain PyTorch: the compact int32 tables, batched matmuls, fp32 index_add_.
 
 Per output node n the operands are A_n[b, p] = x[b, input_linear[n, p]] and
 W_n[p, o] = weight[o, weight_linear[n, p]], so y[:, :, n] = A_n @ W_n. Nodes are processed in

@@ -142,7 +142,7 @@ def test_default_instantiations_compile_without_spills(arch, tmp_path):
 @pytest.mark.parametrize("arch", [
     pytest.param("sm_80", marks=pytest.mark.xfail(strict=True, reason=(
         "known: NVRTC 13.0 gives the bf16 grad_input kernel of tile 16x32x32 (1x2 warps, "
-        "synchronous loads) an 8-byte stack frame on sm_80 (bench/NOTES.md, Next steps)"))),
+        "synchronous loads) an 8-byte stack frame on sm_80 (bench/NOTES.md lists it as open)"))),
     "sm_90",
 ])
 def test_default_instantiations_compile_without_spills_under_nvrtc(arch):

@@ -1,6 +1,6 @@
 """knnconv's native CUDA backend: gather-GEMM kernels compiled at run time through NVRTC.
 
-The public names follow the seed design (fovi.arch.knn_cuda): :func:`forward`,
+The module-level API, also importable as :mod:`knnconv.cuda`: :func:`forward`,
 :func:`grad_input`, :func:`grad_weight`, :func:`backward_combined`, :class:`CudaOps`,
 :class:`KernelConfig`, the ``default_*`` heuristics and :func:`clear_kernel_cache`.
 The kernels compute in float16/bfloat16 with fp32 accumulation; float32 calls are served by

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch  # noqa: F401  (must be imported before cupy, see module docstring)
 
+from ... import context
 from .configs import KernelConfig
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
@@ -58,13 +59,9 @@ def nvrtc_mismatch(cupy) -> str | None:
     return None
 
 
-def _candidate_include_dirs() -> list[Path]:
-    candidates = []
-    for var in ("KNNCONV_CUDA_INCLUDE", "CUDA_PATH", "CUDA_HOME", "CUDA_ROOT"):
-        value = os.environ.get(var)
-        if value:
-            forced = var == "KNNCONV_CUDA_INCLUDE"
-            candidates.append(Path(value) if forced else Path(value) / "include")
+def _candidate_include_dirs(forced: Path | None) -> list[Path]:
+    candidates = [forced] if forced is not None else []
+    candidates += [root / "include" for root in context.toolkit_roots()]
     nvcc = shutil.which("nvcc")
     if nvcc:
         candidates.append(Path(nvcc).resolve().parent.parent / "include")
@@ -76,10 +73,15 @@ def _candidate_include_dirs() -> list[Path]:
     return candidates
 
 
-@lru_cache(maxsize=1)
 def cuda_include_dir() -> str:
-    """The first directory holding all of REQUIRED_HEADERS (set KNNCONV_CUDA_INCLUDE to force)."""
-    searched = _candidate_include_dirs()
+    """The first directory holding all of REQUIRED_HEADERS: knnconv.context's
+    ``cuda_include_dir`` (KNNCONV_CUDA_INCLUDE) when set, else a search."""
+    return _search_include_dir(context.settings().cuda_include_dir)
+
+
+@lru_cache(maxsize=4)
+def _search_include_dir(forced: Path | None) -> str:
+    searched = _candidate_include_dirs(forced)
     for directory in searched:
         if all((directory / header).is_file() for header in REQUIRED_HEADERS):
             return str(directory)

@@ -135,13 +135,14 @@ def default_config(batch, cout, p64, dtype=None, nout=None) -> KernelConfig:
     """Forward geometry: the minimal 16-row tile with synchronous staging for small batches,
     128 batch rows per CTA (weight-tile reuse) and cp.async for large ones; given ``nout``,
     smaller tiles where the large ones would launch fewer CTAs than a rule's ``min_ctas``
-    (layers with a few nodes). ``dtype`` does not change the choice (the seed's signature)."""
+    (layers with a few nodes). ``dtype`` does not change the choice (knnconv.cuda's API takes
+    it)."""
     return _choose("forward", batch, cout, p64, nout)
 
 
 def default_grad_input_config(batch, cin, nin=None) -> KernelConfig:
-    """grad_input geometry: batch-tiled like the forward, the N tile sized to Cin (the seed's
-    signature took Cout: its dx kernel tiled slots; this one tiles input channels); given
+    """grad_input geometry: batch-tiled like the forward, the N tile sized to Cin (this dx
+    kernel tiles input channels, not slots); given
     ``nin`` (its grid has one CTA row per input node), smaller tiles for few-node layers."""
     return _choose("grad_input", batch, cin, SLOT_ALIGN, nin)
 

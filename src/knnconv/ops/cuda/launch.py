@@ -734,8 +734,8 @@ def backward(grad_y, x, weight, input_linear, weight_linear, reverse, cin, nin, 
 def grad_input(grad_y, weight, input_linear, weight_linear, cin, nin, config=None, *,
                reverse=None):
     """dx [B, Cin, Nin] float32 (see :class:`BackwardLaunch`). Without ``reverse`` (from
-    :func:`reverse_tables`) the slot gradients are scattered with atomics, as in the seed
-    design; with it, each input node gathers them (atomic-free)."""
+    :func:`reverse_tables`) the slot gradients are scattered with atomics; with it, each input
+    node gathers them (atomic-free)."""
     return backward(grad_y, None, weight, input_linear, weight_linear, reverse, cin, nin, 0,
                     need_weight=False,
                     input_algorithm="scatter" if reverse is None else "gather",

@@ -461,7 +461,7 @@ __device__ __forceinline__ void add_block_sum(float* sum, float value) {
 // few, since same-address atomics serialise (8 per tile cost conv1's step 1.4 ms).
 // Eight CTAs per SM (a full SM of threads, ~29 registers): a memory-bound copy needs every
 // load in flight it can get; left free, ptxas took 48 registers and five CTAs per SM, and the
-// large re-layouts ran ~30% slower (run 3).
+// large re-layouts ran ~30% slower.
 template <typename TIn, typename TOut>
 __global__ void __launch_bounds__(kTransposeThreads, 8)
     transpose_pad(const TIn* __restrict__ src, TOut* __restrict__ dst, int src_z, int src_a,
@@ -483,8 +483,8 @@ __global__ void __launch_bounds__(kTransposeThreads, 8)
        a0 += a_step) {
     // Every load of the tile is issued before the first shared store: loaded and stored one
     // at a time, a thread kept one load in flight, the re-layouts ran latency bound at ~1 TB/s
-    // (Nsight Compute: 16% of DRAM throughput at 91% occupancy, session 3), and the odd-stride
-    // x re-layout that still takes this kernel stayed there (0.97 TB/s, bench/NOTES.md 16).
+    // (Nsight Compute: 16% of DRAM throughput at 91% occupancy), and the odd-stride x re-layout
+    // that still takes this kernel stayed there (0.97 TB/s).
     float values[kTransposeElements / kTransposeThreads];
 #pragma unroll
     for (int k = 0; k < kTransposeElements / kTransposeThreads; ++k) {
@@ -522,7 +522,7 @@ __global__ void __launch_bounds__(kTransposeThreads, 8)
 // strides, pointers aligned to two elements): each thread loads pairs of c (one 32- or 64-bit
 // load each) and writes pairs of a (one store each) through a kPairsTile x kPairsTile tile.
 // transpose_pad moved conv1's grad_y at ~1 TB/s (see its loads); this kernel moves it at 2.87
-// TB/s on an H200 (bench/NOTES.md version 23). Grid and z_sums as transpose_pad. Eight loads in flight per thread: with
+// TB/s on an H200. Grid and z_sums as transpose_pad. Eight loads in flight per thread: with
 // 2-byte sources they fit the 48 registers of five CTAs per SM without spilling on sm_80 and
 // sm_90 (NVRTC 13.0 and nvcc); 4-byte sources hold twice the bits, and nvcc 13.0 spills at 48
 // on sm_120, so those and sm_100+ get four CTAs.

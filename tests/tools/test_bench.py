@@ -13,7 +13,8 @@ import torch
 
 import knnconv
 from conftest import random_geometry
-from knnconv import available_backends, bench
+from knnconv import available_backends
+from knnconv.tools import bench
 
 TINY = {"K": 4, "V": 6, "Nin": 12, "Nout": 5}
 QUICK = ["--batches", "2", "--repeats", "2", "--warmup", "1"]
@@ -94,7 +95,7 @@ def test_geometry_dir_keeps_repeats_when_asked(tmp_path):
 
 
 def test_network_layers_are_every_conv_of_the_model_in_order(tmp_path):
-    from knnconv.bench_networks import network_layers
+    from knnconv.tools.bench_networks import network_layers
 
     write_geometry_set(tmp_path)
     layers = network_layers(tmp_path, "tiny", torch.device("cpu"), torch.float64)
@@ -200,7 +201,8 @@ def test_model_mode_times_a_whole_network(tmp_path):
 def test_summary_keeps_dtypes_apart_and_compares_backends_on_the_cells_all_completed():
     def row(layer, dtype, backend, status="ok", pct=10.0, speedup=2.0):
         return {"layer": layer, "batch": 8, "dtype": dtype, "backend": backend, "mode": "train",
-                "status": status, "pct_of_floor": pct, "speedup_vs_anchor": speedup}
+                "status": status, "median_ms": None if pct is None else 100 / pct,
+                "pct_of_floor": pct, "speedup_vs_anchor": speedup}
 
     rows = [row("a", "float16", "cuda", pct=40.0), row("a", "float16", "torch_compact"),
             row("b", "float16", "cuda", pct=4.0), row("b", "float16", "torch_compact", "oom",
@@ -213,6 +215,9 @@ def test_summary_keeps_dtypes_apart_and_compares_backends_on_the_cells_all_compl
     assert pct == {("float16", "cuda"): (40.0, 1), ("float16", "torch_compact"): (10.0, 1),
                    ("bfloat16", "cuda"): (20.0, 1)}
     assert summary["statuses"] == {"ok": 4, "oom": 1}
+    times = {(e["dtype"], e["backend"]): e["cells"] for e in summary["median_ms_geomean"]}
+    assert times == {("float16", "cuda"): 1, ("float16", "torch_compact"): 1,
+                     ("bfloat16", "cuda"): 1}
 
 
 def test_compiled_steps_compare_with_the_anchors_training_step_and_replays_with_none():

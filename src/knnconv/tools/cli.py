@@ -19,11 +19,12 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, bench, demo
-from .functional import knn_conv
-from .geometry import foveated_stack, knn_geometry
-from .ops import KNNConvOps, available_backends, get_ops
-from .plan import KNNConvPlan, make_plan
+from .._version import __version__
+from ..functional import knn_conv
+from ..geometry import foveated_stack, knn_geometry
+from ..ops import KNNConvOps, available_backends, get_ops
+from ..plan import KNNConvPlan, make_plan
+from . import bench, demo
 
 DTYPES = {
     "float64": torch.float64,
@@ -302,8 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo_command.add_argument("--batch-size", type=positive_int, default=demo.DEFAULT_BATCH_SIZE)
     demo_command.add_argument("--seed", type=int, default=0,
                               help="seeds the weights, the split and the shuffling")
-    demo_command.add_argument("--out", type=Path, default=Path("demo.png"), metavar="PNG",
-                              help="where to write the figure (default demo.png)")
+    demo_command.add_argument("--out", type=Path, default=Path("out") / "demo.png",
+                              metavar="PNG", help="where to write the figure (default "
+                              "out/demo.png; its folder is made)")
     demo_command.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     demo_command.add_argument("--limit", type=bench.int_at_least(demo.MIN_DIGITS), metavar="N",
                               help="use only the first N of the 1797 digits, for a quick run")

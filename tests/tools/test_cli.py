@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from knnconv import cli
 from knnconv.ops import TorchCompactOps, registry
+from knnconv.tools import cli
 
 SMALL_RUN = ["run", "--device", "cpu", "--batch", "2", "--repeats", "1", "--resolution", "24",
              "--levels", "3", "--channels", "8"]

@@ -1,12 +1,12 @@
-"""Measured backend choice for ``backend="auto"``, opt in: ``KNNCONV_AUTOTUNE=1`` in the
-environment (read once; ``enable(None)`` rereads it), or :func:`enable`.
+"""Measured backend choice for ``backend="auto"``, opt in: knnconv.context's ``autotune``
+(``KNNCONV_AUTOTUNE=1`` in the environment, or ``knnconv.context.configure(autotune=True)``).
 
 The first ``auto`` call of a cell (device, knnconv and torch versions, compute dtype, batch,
 layer geometry, whether x or its re-layout is kept for the backward) times one training step
 of every backend that can serve it (forward, then the gradients of x, weight and bias, the
-way a call with the current ``set_keep_input_relayout`` setting runs them) on random
+way a call with the context's current ``keep_input_relayout`` runs them) on random
 operands of the call's shapes, and keeps the fastest; later calls, and later processes, read
-the choice from a JSON file (``$KNNCONV_CACHE_DIR/autotune.json``, by default
+the choice from a JSON file (``autotune.json`` in the context's ``cache_dir``, by default
 ``~/.cache/knnconv``). Nothing is timed while a CUDA graph is being captured or under
 deterministic algorithms (those calls take a stored choice, else the heuristic policy), and
 torch.compile traces the heuristic policy (its batch may be symbolic). A candidate that fails
@@ -30,45 +30,35 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
-from .bench import (
+from .. import context
+from .._version import __version__
+from ..plan import KNNConvPlan
+from .execute import backward_impl, forward_impl
+from .registry import available_backends, get_ops
+from .timing import (
     device_description,
     random_inputs,
     release_memory,
     time_calls,
     unsupported_reason,
 )
-from .ops.registry import available_backends, get_ops
-from .plan import KNNConvPlan
 
-ENVIRONMENT_SWITCH = "KNNCONV_AUTOTUNE"
-CACHE_DIRECTORY = "KNNCONV_CACHE_DIR"
 CANDIDATES = ("cuda", "torch_binned", "torch_compact")
 TIMED_STEPS = 3
 
-_enabled: bool | None = None  # None: not yet read from the environment
 _lock = threading.Lock()  # measuring and the file; lookups of known cells do not take it
 _choices: dict[str, dict] | None = None  # the file's content, read once
 _memo: dict[tuple, str | None] = {}  # _memo_key(...) -> choice, None for the policy's
 
 
-def enable(on: bool | None = True) -> None:
-    """Turn measured choices on or off for this process, overriding the environment (None:
-    read the environment again)."""
-    global _enabled
-    _enabled = on
-
-
 def enabled() -> bool:
-    global _enabled
-    if _enabled is None:
-        _enabled = os.environ.get(ENVIRONMENT_SWITCH, "") not in ("", "0")
-    return _enabled
+    """Whether ``auto`` makes measured choices (knnconv.context's ``autotune``)."""
+    return context.settings().autotune
 
 
 def cache_path() -> Path:
-    directory = os.environ.get(CACHE_DIRECTORY) or Path.home() / ".cache" / "knnconv"
-    return Path(directory) / "autotune.json"
+    """The file the choices are kept in, in knnconv.context's ``cache_dir``."""
+    return context.settings().cache_dir / "autotune.json"
 
 
 def forget() -> None:
@@ -136,9 +126,7 @@ def _geometry_digest(plan: KNNConvPlan) -> str:
 
 
 def _keeps_relayout() -> bool:
-    from . import functional  # functional -> registry -> this module
-
-    return functional._keep_input_relayout
+    return context.settings().keep_input_relayout
 
 
 def cell_key(plan: KNNConvPlan, batch: int, device: torch.device, dtype: torch.dtype) -> str:
@@ -167,8 +155,6 @@ def step_ms(name: str, plan: KNNConvPlan, batch: int, device: torch.device,
     """Median ms of a training step of backend ``name`` on random operands (through the
     functions the autograd layer runs, keeping x or its re-layout as a call would), after one
     untimed step (which compiles and checks whatever the backend builds at first use)."""
-    from .functional import backward_impl, forward_impl
-
     ops = get_ops(name)
     inputs = random_inputs(plan, batch, dtype, device)
     x, weight, bias, grad_y = inputs.x, inputs.weight, inputs.bias, inputs.grad_y

@@ -11,17 +11,16 @@ import torch
 
 import knnconv
 from conftest import CopyKeepingOps, KeptCopy, random_geometry, random_inputs, rel_err
-from knnconv import autotune, knn_conv_with_backend
-from knnconv.ops import registry
+from knnconv import context, knn_conv_with_backend
+from knnconv.ops import autotune, dispatch, registry
 
 
 @pytest.fixture
 def tuning(tmp_path, monkeypatch):
     """Autotuning on, its file in tmp_path, nothing remembered from other tests; yields the
     list of (backend, batch) measurements made, with torch_binned made to look faster."""
-    monkeypatch.setenv(autotune.CACHE_DIRECTORY, str(tmp_path))
+    context.configure(autotune=True, cache_dir=tmp_path)
     autotune.forget()
-    autotune.enable()
     measured = []
 
     def fake_step_ms(name, plan, batch, device, dtype):
@@ -31,9 +30,8 @@ def tuning(tmp_path, monkeypatch):
     monkeypatch.setattr(autotune, "step_ms", fake_step_ms)
     # The plan below has V > K, so the heuristic policy then takes torch_compact at every
     # batch: a measured choice (torch_binned) and the policy's differ.
-    monkeypatch.setattr(registry, "BINNED_ANY_CELLS_MAX_BATCH", 0)
+    monkeypatch.setattr(dispatch, "BINNED_ANY_CELLS_MAX_BATCH", 0)
     yield measured
-    autotune.enable(None)
     autotune.forget()
 
 
@@ -48,14 +46,15 @@ def run(plan, rng, batch, dtype=torch.float32):
 
 
 def test_off_by_default_auto_keeps_its_policy(tuning, plan, rng, tmp_path, monkeypatch):
-    monkeypatch.delenv(autotune.ENVIRONMENT_SWITCH, raising=False)
-    autotune.enable(None)  # the environment decides
+    monkeypatch.delenv(context.ENVIRONMENT["autotune"], raising=False)
+    context.reset()  # the environment decides
+    context.configure(cache_dir=tmp_path)
     assert not autotune.enabled()
     assert run(plan, rng, 2)[1] == "torch_compact"
     assert tuning == [] and not (tmp_path / "autotune.json").exists()
-    monkeypatch.setenv(autotune.ENVIRONMENT_SWITCH, "1")
+    monkeypatch.setenv(context.ENVIRONMENT["autotune"], "1")
     assert not autotune.enabled()  # read once
-    autotune.enable(None)
+    context.reset()
     assert autotune.enabled()
 
 
@@ -117,15 +116,13 @@ def test_a_stored_choice_that_cannot_serve_is_measured_again(tuning, plan, rng, 
 
 def test_real_measurement_picks_a_candidate_and_results_stay_right(plan, rng, tmp_path,
                                                                     monkeypatch):
-    monkeypatch.setenv(autotune.CACHE_DIRECTORY, str(tmp_path))
+    context.configure(autotune=True, cache_dir=tmp_path)
     autotune.forget()
-    autotune.enable()
     try:
         x, weight, bias, _ = random_inputs(rng, plan, 3)
         y, ran = knn_conv_with_backend(x, weight, bias, plan, "auto")
         expected, _ = knn_conv_with_backend(x, weight, bias, plan, "reference")
     finally:
-        autotune.enable(None)
         autotune.forget()
     assert ran in autotune.candidates(plan, torch.device("cpu"), torch.float64)
     assert rel_err(y, expected) < 1e-12
@@ -145,7 +142,7 @@ def test_an_unwritable_directory_keeps_the_choice_in_the_process(tuning, plan, r
                                                                   monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    monkeypatch.setenv(autotune.CACHE_DIRECTORY, str(blocker / "below"))
+    context.configure(cache_dir=blocker / "below")
     with pytest.warns(UserWarning, match="could not write the autotune file"):
         assert run(plan, rng, 2)[1] == "torch_binned"
     assert run(plan, rng, 2)[1] == "torch_binned"
@@ -210,14 +207,14 @@ def test_on_the_gpu_every_candidate_is_timed_and_capture_only_reads_the_choice(r
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     pytest.importorskip("cupy")
-    monkeypatch.setenv(autotune.CACHE_DIRECTORY, str(tmp_path))
+    context.configure(cache_dir=tmp_path)
     plan = random_geometry(rng, nin=400, nout=150, k=9, v=9, padding=0.1).plan(cin=32, cout=64)
     x, weight, bias, _ = (t.to("cuda", torch.float16)
                           for t in random_inputs(rng, plan, 64, dtype=torch.float16))
     expected, _ = knn_conv_with_backend(x.double(), weight.double(), bias.double(), plan,
                                         "reference")
     autotune.forget()
-    autotune.enable()
+    context.configure(autotune=True)
     try:
         y, ran = knn_conv_with_backend(x, weight, bias, plan, "auto")
         [record] = json.loads((tmp_path / "autotune.json").read_text()).values()
@@ -240,7 +237,6 @@ def test_on_the_gpu_every_candidate_is_timed_and_capture_only_reads_the_choice(r
         graph.replay()
         torch.cuda.synchronize()
     finally:
-        autotune.enable(None)
         autotune.forget()
     assert set(record["step_ms"]) == {"cuda", "torch_binned", "torch_compact"}
     assert ran == record["backend"] == min(record["step_ms"], key=record["step_ms"].get)

@@ -1,6 +1,6 @@
 """Whole-network training steps: every KNN layer of a published fovi model, back to back.
 
-``python -m knnconv.bench_networks --geometry DIR`` builds each model's KNN convolutions from
+``python -m knnconv.tools.bench_networks --geometry DIR`` builds each model's KNN convolutions from
 a geometry set (index.json + npz, see knnconv.bench), runs one training step through all of
 them (forward through every layer, then one backward through every layer, each layer on its
 own random input, the weight gradients and every dx but the image's computed as a network's
@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from ..context import keep_input_relayout
+from ..layers import KNNConv
 from .bench import (
     device_description,
     graph_replay_ms,
@@ -29,8 +31,6 @@ from .bench import (
     time_calls,
     train_floor_ms,
 )
-from .functional import keep_input_relayout
-from .layers import KNNConv
 
 # The published recipes' batches as the KNN layers see them (images x fixations).
 NETWORKS = {"fovi-alexnet_a-0.5_res-64_rfmult-1": 512,
@@ -68,10 +68,10 @@ def time_network(layers, batch: int, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m knnconv.bench_networks",
+    parser = argparse.ArgumentParser(prog="python -m knnconv.tools.bench_networks",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--geometry", type=Path, required=True, metavar="DIR")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"), metavar="DIR")
+    parser.add_argument("--out", type=Path, default=Path("out") / "bench", metavar="DIR")
     parser.add_argument("--repeats", type=int_at_least(1), default=20)
     args = parser.parse_args(argv)
     device = torch.device("cuda")

@@ -15,11 +15,9 @@ import contextlib
 import csv
 import json
 import math
-import platform
 import re
 import statistics
 import sys
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,10 +28,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from .functional import knn_conv_with_backend
-from .geometry import foveated_stack, knn_geometry
-from .ops import available_backends, get_ops
-from .plan import KNNConvPlan, make_plan
+from .. import models
+from ..functional import knn_conv_with_backend
+from ..geometry import foveated_stack, knn_geometry
+from ..ops import available_backends
+from ..ops.timing import (
+    CellInputs,
+    device_description,
+    graph_replay_ms,
+    random_inputs,
+    release_memory,
+    time_calls,
+    unsupported_reason,
+)
+from ..plan import KNNConvPlan, make_plan
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 MODES = ("forward", "train", "train_graph", "train_compiled")
@@ -47,9 +55,15 @@ DEFAULT_MODES = ("forward", "train", "train_graph")
 # The anchor figure a mode's time compares with: a compiled step is what a user who compiles
 # runs instead of the anchor's eager step; a graph replay (GPU time only) compares with none.
 ANCHOR_MODE = {"forward": "forward", "train": "train", "train_compiled": "train"}
-DEFAULT_BATCHES = (128, 512, 2048)
-# Present only in a source checkout (src/knnconv/bench.py -> <repo>/bench/anchors.json).
-REPO_ANCHORS = Path(__file__).resolve().parents[2] / "bench" / "anchors.json"
+# Defaults sized to the device: the published batches on a GPU; on a CPU, batches and repeats
+# that finish the built-in layers in minutes, in float32 (the CPU's fast dtype).
+DEVICE_DEFAULTS = {
+    "cuda": {"batches": [128, 512, 2048], "dtypes": ["float16"], "warmup": 3, "repeats": 20},
+    "cpu": {"batches": [2, 8], "dtypes": ["float32"], "warmup": 1, "repeats": 5},
+}
+DEFAULT_OUT = Path("out") / "bench"
+# Present only in a source checkout (src/knnconv/tools/bench.py -> <repo>/bench/anchors.json).
+REPO_ANCHORS = Path(__file__).resolve().parents[3] / "bench" / "anchors.json"
 # The anchor was measured in fp16: its times only compare with fp16 cells.
 ANCHOR_DTYPE = "float16"
 
@@ -100,20 +114,6 @@ class BenchLayer:
     def plan(self) -> KNNConvPlan:
         return make_plan(self.knn_indices, self.rf_index, nin=self.nin, v=self.v, cin=self.cin,
                          cout=self.cout)
-
-
-@dataclass
-class CellInputs:
-    """Random operands of one (layer, batch, dtype), shared by every backend and mode."""
-
-    x: torch.Tensor
-    weight: torch.Tensor
-    bias: torch.Tensor
-    grad_y: torch.Tensor
-
-    def clear_grads(self) -> None:
-        for leaf in (self.x, self.weight, self.bias):
-            leaf.grad = None
 
 
 def layer_name(model: str, layer: str) -> str:
@@ -185,67 +185,6 @@ def load_anchors(path: Path) -> dict[tuple[str, int, str], float]:
     return anchors
 
 
-def time_calls(call: Callable[[], Any], device: torch.device, *, warmup: int, repeats: int,
-               reset: Callable[[], None] | None = None) -> tuple[float, Any]:
-    """Median time in ms of ``repeats`` calls after ``warmup`` calls, and the last call's result.
-
-    On CUDA each call is bracketed by events recorded on the current stream around the Python
-    call, so host overhead counts as a user sees it. ``reset`` runs before every call, outside
-    the timed region.
-    """
-    for _ in range(warmup):
-        if reset is not None:
-            reset()
-        call()
-    result = None
-    if device.type == "cuda":
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(repeats)]
-        torch.cuda.synchronize(device)  # the warm-up's queued work must not leak into call 1
-        for start, end in events:
-            if reset is not None:
-                reset()
-            start.record()
-            result = call()
-            end.record()
-        torch.cuda.synchronize(device)
-        times = [start.elapsed_time(end) for start, end in events]
-    else:
-        times = []
-        for _ in range(repeats):
-            if reset is not None:
-                reset()
-            begin = time.perf_counter()
-            result = call()
-            times.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(times), result
-
-
-def graph_replay_ms(step: Callable[[], Any], device: torch.device, *, warmup: int,
-                    repeats: int, reset: Callable[[], None] | None = None) -> tuple[float, Any]:
-    """Median ms of replaying ``step`` captured as a CUDA graph, and the result of an eager
-    warm-up call. The warm-up runs on a side stream (as torch.cuda.graphs asks); ``reset``
-    runs before capture (clearing gradients, so the captured step writes them as a step after
-    zero_grad does, where leaving them allocated would capture an accumulation into them)."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(max(2, warmup)):
-            if reset is not None:
-                reset()
-            result = step()
-    torch.cuda.current_stream(device).wait_stream(side)
-    if reset is not None:
-        reset()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    median_ms = time_calls(graph.replay, device, warmup=1, repeats=repeats)[0]
-    del graph
-    return median_ms, result
-
-
-# A reduce-overhead step's warm-up calls: the first runs eagerly, the next record the graphs.
 COMPILED_WARMUP = 3
 
 
@@ -343,23 +282,6 @@ def reads_image(in_channels: int) -> bool:
     return in_channels <= 3
 
 
-def random_inputs(plan: KNNConvPlan, batch: int, dtype: torch.dtype,
-                  device: torch.device) -> CellInputs:
-    """Normal x, bias and grad_y, and a weight scaled by 1/sqrt(Cin*K) so y stays O(1)."""
-    generator = torch.Generator(device=device).manual_seed(0)
-
-    def normal(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator, dtype=dtype, device=device)
-
-    weight = normal(plan.cout, plan.q) / math.sqrt(plan.cin * plan.k)
-    return CellInputs(
-        x=normal(batch, plan.cin, plan.nin).requires_grad_(),
-        weight=weight.requires_grad_(),
-        bias=normal(plan.cout).requires_grad_(),
-        grad_y=normal(batch, plan.cout, plan.nout),
-    )
-
-
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||actual - expected|| / ||expected|| in float64 (NaN anywhere gives NaN, never a pass;
     the absolute error when expected is all zeros)."""
@@ -367,19 +289,6 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     error = (actual.double() - expected).norm().item()
     scale = expected.norm().item()
     return error / scale if scale > 0 else error
-
-
-def unsupported_reason(backend: str, plan: KNNConvPlan, device: torch.device,
-                       dtype: torch.dtype) -> str | None:
-    """Why ``backend`` cannot serve this cell, or None ('auto' always finds a backend)."""
-    if backend == "auto":
-        return None
-    return get_ops(backend).unsupported_reason(plan, device, dtype)
-
-
-def release_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def geomean(values: list[float]) -> float:
@@ -555,7 +464,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
     pct = defaultdict(list)
     speedup = defaultdict(list)
+    times = defaultdict(list)
     for row in filter(common, ok):
+        times[(row["dtype"], row["backend"], row["mode"])].append(row["median_ms"])
         if row["pct_of_floor"] is not None:
             pct[(row["dtype"], row["backend"], row["mode"])].append(row["pct_of_floor"])
         if row["mode"] != "forward" and row["speedup_vs_anchor"] is not None:
@@ -565,6 +476,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         statuses[row["status"]] += 1
     return {
         "statuses": dict(statuses),
+        "median_ms_geomean": [
+            {"dtype": dtype, "backend": backend, "mode": mode, "geomean": geomean(values),
+             "cells": len(values)}
+            for (dtype, backend, mode), values in times.items()
+        ],
         "pct_of_floor_geomean": [
             {"dtype": dtype, "backend": backend, "mode": mode, "geomean": geomean(values),
              "cells": len(values)}
@@ -581,6 +497,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def print_summary(summary: dict[str, Any]) -> None:
     print("\ncells by status: " + ", ".join(f"{n} {s}" for s, n in summary["statuses"].items()))
     print("(geometric means over the cells every backend completed, per dtype and mode)")
+    for entry in summary["median_ms_geomean"]:
+        print(f"geomean time        {entry['dtype']:<9} {entry['backend']:<13} "
+              f"{entry['mode']:<11} {entry['geomean']:8.3f} ms ({entry['cells']} cells)")
     for entry in summary["pct_of_floor_geomean"]:
         print(f"geomean % of floor  {entry['dtype']:<9} {entry['backend']:<13} "
               f"{entry['mode']:<11} {entry['geomean']:7.2f}%  ({entry['cells']} cells)")
@@ -601,7 +520,10 @@ def plot_rows(rows: list[dict[str, Any]], path: Path) -> bool:
     position = {cell: i for i, cell in enumerate(cells)}
     series = list(dict.fromkeys((r["backend"], r["mode"]) for r in rows))
     backends = list(dict.fromkeys(backend for backend, _ in series))
-    panels = [("pct_of_floor", "% of roofline floor")]
+    # without ceilings (they are measured on CUDA only) there is no floor: plot the times
+    has_floor = any(r["pct_of_floor"] is not None for r in rows)
+    panels = [("pct_of_floor", "% of roofline floor") if has_floor
+              else ("median_ms", "median time per call (ms)")]
     if any(r["speedup_vs_anchor"] is not None for r in rows):
         panels.append(("speedup_vs_anchor", "speedup vs anchor (x)"))
     figure = Figure(figsize=(max(8.0, 0.15 * len(cells)), 3.0 + 4.0 * len(panels)))
@@ -624,8 +546,8 @@ def plot_rows(rows: list[dict[str, Any]], path: Path) -> bool:
             axis.set_yscale("log")
             axis.legend(fontsize=7)
         else:
-            axis.text(0.5, 0.5, "no roofline floor (ceilings are measured on CUDA only)",
-                      ha="center", va="center", transform=axis.transAxes)
+            axis.text(0.5, 0.5, "nothing measured", ha="center", va="center",
+                      transform=axis.transAxes)
         if field == "speedup_vs_anchor":
             axis.axhline(1.0, color="gray", linewidth=0.8)
         axis.set_ylabel(label)
@@ -654,13 +576,6 @@ def write_outputs(out_dir: Path, name: str, meta: dict[str, Any],
     else:
         print(f"matplotlib is not installed: {png_path} not written")
     return written
-
-
-def device_description(device: torch.device) -> str:
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"{torch.cuda.get_device_name(device)} (sm_{major}{minor})"
-    return f"{device.type} ({platform.machine()}, {torch.get_num_threads()} threads)"
 
 
 def default_name(device: torch.device) -> str:
@@ -700,11 +615,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", action="append", metavar="SUBSTR",
                         help="keep layers whose name contains SUBSTR (repeatable)")
     parser.add_argument("--batches", type=comma_list(int_at_least(1)),
-                        default=list(DEFAULT_BATCHES),
-                        help="comma-separated batch sizes (default "
-                             f"{','.join(map(str, DEFAULT_BATCHES))})")
-    parser.add_argument("--dtypes", type=comma_list(str, DTYPES), default=["float16"],
-                        help="comma-separated: float16, bfloat16, float32 (default float16)")
+                        help="comma-separated batch sizes (default: 128,512,2048 on a GPU, "
+                             "2,8 on a CPU)")
+    parser.add_argument("--dtypes", type=comma_list(str, DTYPES),
+                        help="comma-separated: float16, bfloat16, float32 (default: float16 "
+                             "on a GPU, float32 on a CPU)")
     parser.add_argument("--backends", type=comma_list(str),
                         help="comma-separated backends, 'auto' allowed (default: every "
                              "available backend, each where it can serve)")
@@ -713,10 +628,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "step replayed as a CUDA graph), train_compiled (the training "
                              "step under torch.compile(mode='reduce-overhead')); the last two: "
                              "cuda backend on a GPU only (default: all but train_compiled)")
-    parser.add_argument("--warmup", type=int_at_least(0), default=3,
-                        help="untimed calls per cell (default 3)")
-    parser.add_argument("--repeats", type=int_at_least(1), default=20,
-                        help="timed calls per cell; the median is reported (default 20)")
+    parser.add_argument("--warmup", type=int_at_least(0),
+                        help="untimed calls per cell (default 3 on a GPU, 1 on a CPU)")
+    parser.add_argument("--repeats", type=int_at_least(1),
+                        help="timed calls per cell; the median is reported (default 20 on a "
+                             "GPU, 5 on a CPU)")
     parser.add_argument("--check", action="store_true",
                         help="store each forward's relative error against the float64 reference")
     parser.add_argument("--max-ref-gb", type=float, default=16.0,
@@ -725,8 +641,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--anchors", type=Path, metavar="FILE",
                         help="anchor times (default: the checkout's bench/anchors.json, if any)")
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"), metavar="DIR",
-                        help="output folder (default bench/results)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="DIR",
+                        help=f"output folder (default {DEFAULT_OUT})")
     parser.add_argument("--name", help="output file stem (default: from the GPU model, or 'cpu')")
     parser.add_argument("--model", choices=["alexnet", "resnet18"],
                         help="time a whole example network's training step (images/s) per "
@@ -740,8 +656,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _model_step_row(args, device: torch.device, backend: str, batch: int,
                     compiled: bool) -> dict[str, Any]:
-    from . import models
-
     build = {"alexnet": models.foveated_alexnet, "resnet18": models.foveated_resnet18}[args.model]
     torch.manual_seed(0)
     model = build(10, resolution=args.resolution, backend=backend).to(device)
@@ -797,6 +711,10 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # events record on the current device's stream
+    defaults = DEVICE_DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
+    for option, value in defaults.items():
+        if getattr(args, option) is None:
+            setattr(args, option, value)
     known = available_backends()
     backends = args.backends or known
     unknown = [name for name in backends if name not in known and name != "auto"]

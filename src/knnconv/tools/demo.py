@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .geometry import foveated_stack
-from .models import FoveatedClassifier, conv_norm_relu, sample_images
-from .pool import KNNPool
+from ..geometry import foveated_stack
+from ..models import FoveatedClassifier, conv_norm_relu, sample_images
+from ..pool import KNNPool
 
 DEFAULT_EPOCHS = 10
 DEFAULT_BATCH_SIZE = 64
@@ -224,6 +224,7 @@ def plot(path: Path, sensor: torch.Tensor, data: SensorDigits, shown: int,
     curves.legend(lines, [line.get_label() for line in lines], loc="center right")
     curves.set_title("training")
     path.parent.mkdir(parents=True, exist_ok=True)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
 
 

@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from knnconv import cli, demo
+from knnconv.tools import cli, demo
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -1,0 +1,56 @@
+"""The dispatcher: which backend serves a call, for ``backend="auto"`` (the measured choice
+when autotuning is on, else the policy below) or a named backend, which never falls back."""
+
+from __future__ import annotations
+
+import torch
+
+from ..plan import KNNConvPlan
+from . import autotune
+from .registry import KNNConvOps, available_backends, get_ops
+
+# On the CPU torch_binned's dense GEMMs beat torch_compact's per-node products wherever a
+# node has no more cells than neighbours (V <= K: 1.2-3.1x at B = 64) and, at batches up to 8,
+# on the published layers whatever V (B = 1: 1.6-104x; B = 8: all training steps, all but two
+# forwards, those at 0.85-0.99x); at B = 64 with V = 4K it does four times the FLOPs and loses
+# (0.25-0.91x), measured on a 2-core CPU (bench/results/cpu_binned_geometry_b*.json).
+BINNED_ANY_CELLS_MAX_BATCH = 8
+
+
+def torch_policy(plan: KNNConvPlan, device: torch.device, batch) -> str:
+    """The torch backend auto takes: torch_binned on the CPU where it is the faster one (see
+    BINNED_ANY_CELLS_MAX_BATCH), else torch_compact. ``batch``: an int, or None / a symbolic
+    size under torch.compile, where only the V <= K rule applies."""
+    if device.type != "cpu":
+        return "torch_compact"
+    if plan.v <= plan.k:
+        return "torch_binned"
+    small = isinstance(batch, int) and batch <= BINNED_ANY_CELLS_MAX_BATCH
+    return "torch_binned" if small else "torch_compact"
+
+
+def resolve_backend(name: str, plan: KNNConvPlan, device: torch.device, dtype: torch.dtype,
+                    batch: int | None = None, *, backward: bool = True) -> KNNConvOps:
+    """The backend that will serve a call: ``name`` itself, or the auto policy's choice.
+
+    An explicitly named backend that cannot serve the call raises; it never falls back.
+    Auto takes the measured choice for the call's cell when autotuning is on (see
+    knnconv.ops.autotune; ``batch`` is needed for it), else picks the native CUDA backend for
+    CUDA tensors it supports, else the torch backend of :func:`torch_policy`. ``backward``:
+    whether the call's gradients will be computed (see KNNConvOps.unsupported_reason).
+    """
+    if name == "auto":
+        if batch is not None:
+            tuned = autotune.choose(plan, batch, device, dtype)
+            if tuned is not None:
+                return get_ops(tuned)
+        if device.type == "cuda" and "cuda" in available_backends():
+            cuda_ops = get_ops("cuda")
+            if cuda_ops.unsupported_reason(plan, device, dtype, backward=backward) is None:
+                return cuda_ops
+        return get_ops(torch_policy(plan, device, batch))
+    ops = get_ops(name)
+    reason = ops.unsupported_reason(plan, device, dtype, backward=backward)
+    if reason is not None:
+        raise ValueError(f"backend {name!r} cannot run this call: {reason}")
+    return ops
