@@ -148,7 +148,7 @@ def test_kaiming_init_uses_the_neighbour_count(rng):
     (lambda g: KNNDepthwiseConv(2, g.knn_indices + 1, g.rf_index, nin=g.nin - 1, v=g.v),
      ValueError, "knn_indices entries must lie in"),
     (lambda g: KNNDepthwiseConv(2, g.knn_indices, g.rf_index.t(), nin=g.nin, v=g.v),
-     ValueError, "rf_index must have shape"),
+     ValueError, "one of them is transposed"),
     (lambda g: KNNDepthwiseConv(2, g.knn_indices, g.rf_index, nin=g.nin, v=g.v)(
         torch.randn(1, 3, g.nin)), ValueError, r"x must have shape \[B, C=2, Nin="),
     (lambda g: KNNDepthwiseSeparableConv(2, 0, g.knn_indices, g.rf_index, nin=g.nin, v=g.v),
