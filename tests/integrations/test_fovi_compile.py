@@ -148,7 +148,9 @@ def test_reduce_overhead_compiled_fovi_model_trains_as_eager_on_the_gpu():
     batches = [data(eager, batch=16, seed=seed, device="cuda") for seed in range(3)]
 
     def train(model, parameters) -> list[float]:
-        optimizer = torch.optim.SGD(parameters, lr=0.05, momentum=0.9)
+        # a small step: BatchNorm under fp16 autocast rounds differently once inductor fuses
+        # it, and a large step would amplify that over the steps
+        optimizer = torch.optim.SGD(parameters, lr=0.01)
         losses = []
         for step in range(6):
             torch.compiler.cudagraph_mark_step_begin()
@@ -168,8 +170,10 @@ def test_reduce_overhead_compiled_fovi_model_trains_as_eager_on_the_gpu():
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert all(layer.last_backend == "cuda" for layer in routed_layers(twin)
                if isinstance(layer, fovi_knn.KNNConvLayer))
+    # the first step computes the same thing; later ones follow within rounding's drift
+    assert abs(losses[0] - eager_losses[0]) <= 2e-3 * abs(eager_losses[0]), (losses, eager_losses)
     for got, expected in zip(losses, eager_losses, strict=True):
-        assert abs(got - expected) <= 2e-2 * abs(expected) + 1e-3
+        assert abs(got - expected) <= 2e-2 * abs(expected) + 1e-3, (losses, eager_losses)
     for (key, got), expected in zip(twin.state_dict().items(), eager.state_dict().values(),
                                     strict=True):
         assert rel_err(got, expected) < 2e-2, key
