@@ -13,7 +13,6 @@ from .registry import (
     KNNConvOps,
     available_backends,
     get_ops,
-    register_lazy_ops,
     register_ops,
 )
 from .torch_binned import TorchBinnedOps
@@ -26,5 +25,5 @@ register_ops(CudaOps())
 
 __all__ = [
     "CudaOps", "KNNConvOps", "ReferenceOps", "TorchBinnedOps", "TorchCompactOps",
-    "available_backends", "get_ops", "register_ops", "register_lazy_ops", "resolve_backend",
+    "available_backends", "get_ops", "register_ops", "resolve_backend",
 ]

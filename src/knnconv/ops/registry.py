@@ -8,8 +8,6 @@ asks for (``dtypes``: those of x, weight and bias), so fp32 master weights get f
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ..plan import KNNConvPlan
@@ -104,7 +102,6 @@ class KNNConvOps:
 
 
 _REGISTRY: dict[str, KNNConvOps] = {}
-_LAZY: dict[str, Callable[[], KNNConvOps]] = {}
 
 
 def register_ops(ops: KNNConvOps, *, replace: bool = False) -> KNNConvOps:
@@ -119,14 +116,9 @@ def register_ops(ops: KNNConvOps, *, replace: bool = False) -> KNNConvOps:
     return ops
 
 
-def register_lazy_ops(name: str, factory: Callable[[], KNNConvOps]) -> None:
-    """Register a backend whose module is imported on first use (keeps `import knnconv` light)."""
-    _LAZY[name] = factory
-
-
 def available_backends() -> list[str]:
     """Names that ``backend=`` accepts, besides 'auto'."""
-    return sorted(set(_REGISTRY) | set(_LAZY))
+    return sorted(_REGISTRY)
 
 
 def get_ops(name: str) -> KNNConvOps:
@@ -134,8 +126,6 @@ def get_ops(name: str) -> KNNConvOps:
     if not isinstance(name, str):
         raise TypeError(f"backend must be a str, got {type(name).__name__}")
     ops = _REGISTRY.get(name)
-    if ops is None and name in _LAZY:
-        ops = register_ops(_LAZY[name](), replace=True)
     if ops is None:
         raise ValueError(
             f"unknown backend {name!r}; choose 'auto' or one of {available_backends()}"
