@@ -1,3 +1,6 @@
+import copy
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -94,6 +97,32 @@ def test_derived_builds_once_per_key():
     assert first is second
     assert calls == [plan.on("cpu")]
     assert other == "other"
+
+
+def test_the_handle_names_the_sizes_and_tables():
+    # a string: torch.compile keeps it a constant of the graph; equal only for plans that
+    # compute the same thing, so a graph compiled (and cached on disk) for one serves the other
+    plan = make_plan(**base_arguments())
+    twin = make_plan(**base_arguments())
+    others = [make_plan(**{**base_arguments(), "cout": COUT + 1}),
+              make_plan(**{**base_arguments(), "rf_index": with_entry(RF, 1)})]
+
+    assert isinstance(plan.handle, str) and plan.handle == twin.handle
+    assert len({plan.handle, *(other.handle for other in others)}) == 3
+    assert KNNConvPlan.from_handle(plan.handle) in (plan, twin)
+    assert KNNConvPlan.from_handle(others[1].handle) is others[1]
+
+
+def test_a_handle_names_a_plan_while_one_of_its_twins_lives():
+    plan = make_plan(**base_arguments())
+    handle, twin = plan.handle, copy.deepcopy(plan)
+    del plan
+    gc.collect()
+    assert KNNConvPlan.from_handle(handle) is twin
+    del twin
+    gc.collect()
+    with pytest.raises(RuntimeError, match="names no live plan"):
+        KNNConvPlan.from_handle(handle)
 
 
 def test_numpy_tables_are_accepted():

@@ -89,6 +89,21 @@ def test_dynamic_batch_recompiles_at_most_once(rng):
     assert counter.frame_count <= 2
 
 
+def test_one_compiled_function_serves_many_plans(rng):
+    # One piece of code called with ever new plans: dynamo makes an int that changes between
+    # calls symbolic, and a plan that travelled as an int was lost there; its handle, a
+    # string, stays a constant (one graph per plan).
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(knnconv.knn_conv, fullgraph=True, backend=counter)
+    for _ in range(4):
+        plan = random_geometry(rng, nin=30, nout=12, k=5, v=9).plan(cin=3, cout=4)
+        x = torch.randn(2, 3, 30, generator=rng, dtype=torch.float64)
+        weight = torch.randn(4, plan.q, generator=rng, dtype=torch.float64)
+        expected = knnconv.knn_conv(x, weight, None, plan)
+        assert rel_err(compiled(x, weight, None, plan), expected) < 1e-12
+    assert counter.frame_count == 4
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_opcheck(backend, rng):
     geometry = random_geometry(rng, nin=20, nout=7, k=5, v=9, padding=0.2)
