@@ -12,7 +12,8 @@
 # at most eight files there (what a device run brings back); every stage's log, the main bench's
 # h200.csv (the rows of h200.json), and the example networks' (h200_alexnet.json,
 # h200_resnet18.json), neighbourhood, re-layout, torch_binned (h200_binned.*), host-path
-# (host.json) and same-run anchor benchmarks' JSON/PNG, in OUTDIR/logs.tar.gz (the anchor and
+# (host.json), fovi whole-model (h200_fovi_models.*) and same-run anchor benchmarks' JSON/PNG,
+# in OUTDIR/logs.tar.gz (the anchor and
 # convergence stages need fovi, from WHEEL_DIR); each stage's exit status and time are
 # summarised in OUTDIR/summary.txt.
 # FOVI_TESTS: a file of fovi's own tests of the module-level kernel API (its
@@ -78,6 +79,9 @@ stage anchor 240 python3 scripts/bench_anchor.py "$geometry" "$out/logs/anchor.j
 stage host 60 python3 scripts/bench_host.py "$geometry" "$out/logs/host.json"
 stage neighbourhood 120 python3 scripts/bench_neighbourhood.py "$out/logs/neighbourhood.json"
 stage demo 60 python3 -m knnconv demo --out "$out/demo.png"
+# fovi's own ResNet-18 and AlexNet: one training step as fovi runs it, accelerated, compiled,
+# and a grid ResNet-18 of as many pixels, eager and as CUDA graphs, with a GPU-time breakdown
+stage fovi_models 330 python3 -m knnconv bench --fovi-model resnet18,alexnet --out "$out/logs"
 # a fovi KNNAlexNet trained through fovi's own layers and through knnconv, two seeds each
 stage convergence 180 python3 scripts/convergence_parity.py --out "$out"
 stage profile 60 env KNNCONV_CPROFILE=1 python3 scripts/profile_cells.py "$geometry" \

@@ -15,7 +15,6 @@ import contextlib
 import csv
 import json
 import math
-import re
 import statistics
 import sys
 from collections import defaultdict
@@ -42,6 +41,8 @@ from ..ops.timing import (
     unsupported_reason,
 )
 from ..plan import KNNConvPlan, make_plan
+from . import fovi_models
+from .options import comma_list, default_name, int_at_least
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 MODES = ("forward", "train", "train_graph", "train_compiled")
@@ -578,36 +579,6 @@ def write_outputs(out_dir: Path, name: str, meta: dict[str, Any],
     return written
 
 
-def default_name(device: torch.device) -> str:
-    """'h200' for an NVIDIA H200, 'cpu' on the CPU: the GPU model as a file-name slug."""
-    if device.type != "cuda":
-        return "cpu"
-    model = torch.cuda.get_device_name(device).lower().removeprefix("nvidia")
-    return re.sub(r"[^a-z0-9]+", "-", model).strip("-") or "cuda"
-
-
-def comma_list(convert: Callable[[str], Any], choices=None) -> Callable[[str], list]:
-    def parse(text: str) -> list:
-        items = [convert(item.strip()) for item in text.split(",") if item.strip()]
-        bad = [item for item in items if choices is not None and item not in choices]
-        if not items or bad:
-            allowed = f" (choose from {', '.join(choices)})" if choices is not None else ""
-            raise argparse.ArgumentTypeError(f"bad list {text!r}{allowed}")
-        return items
-    return parse
-
-
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an int no smaller than ``minimum``."""
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--geometry", type=Path, metavar="DIR",
                         help="geometry set (DIR/index.json + npz tables); default: built-in "
@@ -652,6 +623,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="with --model: also time each backend's network under "
                              "torch.compile(mode='reduce-overhead') (CUDA graphs on a GPU)")
+    fovi_models.add_fovi_arguments(parser)
 
 
 def _model_step_row(args, device: torch.device, backend: str, batch: int,
@@ -711,6 +683,8 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # events record on the current device's stream
+    if args.fovi_model is not None:
+        return fovi_models.run(args, device)
     defaults = DEVICE_DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
     for option, value in defaults.items():
         if getattr(args, option) is None:

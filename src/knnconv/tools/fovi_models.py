@@ -1,0 +1,428 @@
+"""Whole-model training-step benchmark of fovi's own networks: fovi 2.4.0's KNNResNet and
+KNNAlexNet at their published settings, run as fovi runs them, after
+``knnconv.integrations.fovi.accelerate``, and accelerated under ``torch.compile``; each eager
+and (CUDA) replayed as a whole-step CUDA graph; beside them torchvision's resnet18 on a square
+image of as many pixels as the fovi sensor has samples. Writes ``<name>_fovi_models.json`` and
+a PNG, prints a table with the speedups and, on CUDA, a GPU-time breakdown per kernel category.
+
+``knnconv bench --fovi-model resnet18,alexnet`` or ``python3 -m knnconv.tools.fovi_models``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..ops.timing import device_description, graph_replay_ms, release_memory, time_calls
+from .options import comma_list, default_name, int_at_least
+
+try:
+    from ..integrations.fovi import accelerate
+except ImportError as error:  # fovi is optional: the rest of knnconv bench runs without it
+    accelerate, FOVI_MISSING = None, str(error)
+else:
+    FOVI_MISSING = None
+
+FOVI_MODELS = ("resnet18", "alexnet")
+PATHS = ("fovi", "accelerated", "accelerated+compile", "grid")
+N_CLASSES = 1000  # both fovi models and torchvision's resnet18 offer an ImageNet head
+DEFAULTS = {
+    "cuda": {"batches": [128, 512, 2048], "warmup": 3, "repeats": 15},
+    "cpu": {"batches": [2], "warmup": 1, "repeats": 3},
+}
+# Where the step is long, fewer repeats keep the whole run within minutes; the median of five
+# steps of a second or more is as steady as fifteen of a shorter step.
+LARGE_BATCH, LARGE_BATCH_REPEATS = 2048, 5
+PROFILE_STEPS = 3
+# An fp16 step replayed as a CUDA graph cannot use GradScaler (its overflow check reads a value
+# on the host, which capture forbids), so it scales the loss by this constant and the SGD step
+# divides it out through the learning rate: the same arithmetic without the check.
+STATIC_LOSS_SCALE = 2.0**10
+LEARNING_RATE = 1e-3
+CATEGORIES = ("knn_conv", "knn_pool", "normalisation", "relayout_copy", "other")
+
+
+def add_fovi_arguments(parser: argparse.ArgumentParser) -> None:
+    """This benchmark's own options, which ``knnconv bench`` adds to its."""
+    parser.add_argument("--fovi-model", type=comma_list(str, FOVI_MODELS), metavar="NAMES",
+                        help="time fovi's own networks' training step (comma-separated: "
+                             "resnet18, alexnet): as fovi runs them, accelerated, accelerated "
+                             "under torch.compile, and a torchvision grid resnet18 of as many "
+                             "pixels (batches default 128,512,2048 on a GPU, 2 on a CPU)")
+    parser.add_argument("--in-res", type=int_at_least(4), default=64,
+                        help="with --fovi-model: the fovi sensor's in_res (default 64, the "
+                             "published setting; smaller for a CPU smoke run)")
+    parser.add_argument("--profile-batch", type=int_at_least(1),
+                        help="with --fovi-model on CUDA: the batch of the GPU-time breakdown "
+                             "(default: the largest batch each path ran)")
+
+
+def build_fovi(name: str, in_res: int, device: torch.device) -> torch.nn.Module:
+    """fovi's model at its published settings. Built on ``device``, since fovi keeps its
+    neighbour tables as plain attributes that ``.to()`` does not move, and then moved there,
+    since fovi builds some parameters on the CPU whatever ``device`` says."""
+    torch.manual_seed(0)
+    if name == "resnet18":
+        from fovi.models.knnresnet import KNNResNet
+        model = KNNResNet(in_res=in_res, fov=16, cmf_a=0.5, ref_frame_mult=2,
+                          field_geometry="legacy", num_classes=N_CLASSES, device=str(device))
+    else:
+        from fovi.models.knnalexnet import KNNAlexNet
+        model = KNNAlexNet(in_res=in_res, in_channels=3,
+                           features_per_layer=[96, 256, 384, 384, 256],
+                           stride_per_layer=[2, 1, 1, 1, 1], pool_after=[0, 1, 4],
+                           k_per_layer=[121, 25, 9, 9, 9], n_classes=N_CLASSES, fov=16,
+                           cmf_a=0.5, ref_frame_mult=2, field_geometry="legacy",
+                           device=str(device))
+    return model.to(device)
+
+
+def sensor_samples(model: torch.nn.Module) -> int:
+    """N, the number of sensor samples: the input nodes of the model's first KNN layer."""
+    from fovi.arch.knn import KNNBaseLayer
+    first = next(layer for layer in model.modules() if isinstance(layer, KNNBaseLayer))
+    return len(first.in_coords)
+
+
+def amp_dtype(device: torch.device) -> torch.dtype | None:
+    """fp16 autocast on CUDA; float32 (no autocast) on the CPU, its fast dtype for these ops."""
+    return torch.float16 if device.type == "cuda" else None
+
+
+def training_step(model: torch.nn.Module, forward: Callable, x: torch.Tensor,
+                  labels: torch.Tensor, device: torch.device, *,
+                  graph: bool) -> Callable[[], None]:
+    """One SGD training step on static inputs: cross-entropy on ``labels``, backward, step."""
+    dtype = amp_dtype(device)
+    scaled = dtype == torch.float16
+    static_scale = STATIC_LOSS_SCALE if scaled and graph else 1.0
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE / static_scale)
+    scaler = torch.amp.GradScaler(device.type) if scaled and not graph else None
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = torch.nn.functional.cross_entropy(forward(x), labels)
+        if scaler is None:
+            (loss * static_scale).backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+
+    return step
+
+
+class PathModels:
+    """The networks of one model name, built once and shared across batches and modes."""
+
+    def __init__(self, name: str, in_res: int, device: torch.device) -> None:
+        self.fovi = build_fovi(name, in_res, device)
+        self.accelerated = accelerate(copy.deepcopy(self.fovi)).to(device)
+        self.compiled = torch.compile(self.accelerated)
+        self.samples = sensor_samples(self.fovi)
+        self.side = round(math.sqrt(self.samples))
+        self.grid, self.grid_skip = None, None
+        try:
+            import torchvision
+        except ImportError as error:
+            self.grid_skip = f"torchvision is not importable ({error})"
+        else:
+            torch.manual_seed(0)
+            self.grid = torchvision.models.resnet18(num_classes=N_CLASSES).to(
+                device, memory_format=torch.channels_last)
+
+    def network(self, path: str) -> tuple[torch.nn.Module, Callable]:
+        """The module whose parameters train, and the callable its forward runs through."""
+        return {"fovi": (self.fovi, self.fovi),
+                "accelerated": (self.accelerated, self.accelerated),
+                "accelerated+compile": (self.accelerated, self.compiled),
+                "grid": (self.grid, self.grid)}[path]
+
+    def inputs(self, path: str, batch: int,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator(device=device).manual_seed(0)
+        if path == "grid":
+            x = torch.randn(batch, 3, self.side, self.side, generator=generator, device=device)
+            x = x.contiguous(memory_format=torch.channels_last)
+        else:
+            x = torch.randn(batch, 3, self.samples, generator=generator, device=device)
+        labels = torch.randint(0, N_CLASSES, (batch,), generator=generator, device=device)
+        return x, labels
+
+
+def _repeats(args: argparse.Namespace, batch: int) -> int:
+    if args.repeats_given or batch < LARGE_BATCH:
+        return args.repeats
+    return min(args.repeats, LARGE_BATCH_REPEATS)
+
+
+def time_cell(models: PathModels, path: str, mode: str, batch: int, args: argparse.Namespace,
+              device: torch.device) -> dict[str, Any]:
+    """One row: the median ms of a training step and its peak memory, or why it failed."""
+    row: dict[str, Any] = {"model": args.current_model, "path": path, "mode": mode,
+                           "batch": batch, "status": "ok", "median_ms": None, "peak_mib": None,
+                           "error": None}
+    module, forward = models.network(path)
+    module.train()
+    try:
+        x, labels = models.inputs(path, batch, device)
+        step = training_step(module, forward, x, labels, device, graph=mode == "graph")
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+        timer = graph_replay_ms if mode == "graph" else time_calls
+        row["median_ms"] = timer(step, device, warmup=args.warmup,
+                                 repeats=_repeats(args, batch))[0]
+        if device.type == "cuda":
+            row["peak_mib"] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
+    except torch.cuda.OutOfMemoryError as error:
+        row.update(status="oom", error=str(error).splitlines()[0])
+    except Exception as error:  # a failing path is a result; the other paths still run
+        row.update(status="error", error=f"{type(error).__name__}: {error}"[:500])
+    finally:
+        for parameter in module.parameters():
+            parameter.grad = None
+        release_memory(device)
+    return row
+
+
+def category(kernel: str) -> str:
+    """The breakdown category of a CUDA kernel's name."""
+    name = kernel.lower()
+    if any(word in name for word in ("batch_norm", "bn_", "layer_norm")):
+        return "normalisation"
+    if "pool" in name:
+        return "knn_pool"
+    if "knn_" in name and any(word in name for word in ("conv", "grad", "gemm")):
+        return "knn_conv"
+    if any(word in name for word in ("transpose", "copy", "cat")):
+        return "relayout_copy"
+    return "other"
+
+
+def profile_breakdown(models: PathModels, path: str, batch: int, args: argparse.Namespace,
+                      device: torch.device) -> dict[str, Any]:
+    """GPU ms per step and category over a few eager steps of one path at one batch."""
+    from torch.profiler import ProfilerActivity, profile
+    module, forward = models.network(path)
+    module.train()
+    try:
+        x, labels = models.inputs(path, batch, device)
+        step = training_step(module, forward, x, labels, device, graph=False)
+        step()  # compiles, tunes and allocates outside the profile
+        torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+            for _ in range(PROFILE_STEPS):
+                step()
+            torch.cuda.synchronize(device)
+        totals = dict.fromkeys(CATEGORIES, 0.0)
+        for event in profiler.key_averages():
+            totals[category(event.key)] += event.self_device_time_total / 1e3 / PROFILE_STEPS
+        return {"batch": batch, "status": "ok", "ms_per_step": totals}
+    except Exception as error:  # a breakdown that fails leaves the timings standing
+        return {"batch": batch, "status": "error", "error": f"{type(error).__name__}: {error}"}
+    finally:
+        for parameter in module.parameters():
+            parameter.grad = None
+        release_memory(device)
+
+
+def model_rows(name: str, args: argparse.Namespace,
+               device: torch.device) -> tuple[list[dict[str, Any]], dict[str, Any], dict]:
+    """Every path, mode and batch of one fovi model; its breakdown; its sensor's sizes."""
+    args.current_model = name
+    models = PathModels(name, args.in_res, device)
+    sizes = {"sensor_samples": models.samples, "grid_side": models.side}
+    print(f"{name}: in_res {args.in_res}, {models.samples} sensor samples, grid "
+          f"{models.side}x{models.side}")
+    modes = ("eager", "graph") if device.type == "cuda" else ("eager",)
+    rows: list[dict[str, Any]] = []
+    for path in PATHS:
+        if path == "grid" and models.grid is None:
+            print(f"  {path}: skipped, {models.grid_skip}")
+            rows.append({"model": name, "path": path, "mode": None, "batch": None,
+                         "status": "skipped", "median_ms": None, "peak_mib": None,
+                         "error": models.grid_skip})
+            continue
+        for batch in args.batches:
+            for mode in modes:
+                row = time_cell(models, path, mode, batch, args, device)
+                rows.append(row)
+                shown = (f"{row['median_ms']:.2f} ms" if row["status"] == "ok"
+                         else f"{row['status']}: {row['error']}")
+                print(f"  {path:20} {mode:5} B={batch:<5} {shown}")
+    breakdown: dict[str, Any] = {}
+    if device.type != "cuda":
+        print("  breakdown: skipped, the profile of GPU time needs CUDA")
+    else:
+        for path in PATHS:
+            ran = [row["batch"] for row in rows if row["path"] == path and row["status"] == "ok"
+                   and row["mode"] == "eager"]
+            batch = args.profile_batch or (max(ran) if ran else None)
+            if batch is not None:
+                breakdown[path] = profile_breakdown(models, path, batch, args, device)
+    return rows, breakdown, sizes
+
+
+def _lookup(rows: list[dict[str, Any]]) -> dict[tuple, float]:
+    return {(row["model"], row["path"], row["mode"], row["batch"]): row["median_ms"]
+            for row in rows if row["status"] == "ok"}
+
+
+def speedup_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The table: each accelerated path's ms and its speedup over fovi and over the grid."""
+    times = _lookup(rows)
+    lines = [f"{'model':9} {'mode':5} {'batch':>5} {'fovi ms':>9} {'grid ms':>9} "
+             f"{'path':20} {'ms':>9} {'vs fovi':>8} {'vs grid':>8}"]
+
+    def cell(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    keys = sorted({(m, mode, b) for m, _, mode, b in times}, key=str)
+    for model, mode, batch in keys:
+        fovi = times.get((model, "fovi", mode, batch))
+        grid = times.get((model, "grid", mode, batch))
+        for path in ("accelerated", "accelerated+compile"):
+            ms = times.get((model, path, mode, batch))
+            lines.append(
+                f"{model:9} {mode:5} {batch:>5} {cell(fovi, '.2f'):>9} {cell(grid, '.2f'):>9} "
+                f"{path:20} {cell(ms, '.2f'):>9} "
+                f"{cell(fovi / ms if fovi and ms else None, '.2f'):>8} "
+                f"{cell(grid / ms if grid and ms else None, '.2f'):>8}")
+    return lines
+
+
+def breakdown_lines(breakdowns: dict[str, dict[str, Any]]) -> list[str]:
+    lines = []
+    for model, per_path in breakdowns.items():
+        for path, entry in per_path.items():
+            if entry["status"] != "ok":
+                lines.append(f"{model} {path} B={entry['batch']}: {entry['error']}")
+                continue
+            parts = ", ".join(f"{key} {value:.2f}" for key, value in entry["ms_per_step"].items())
+            lines.append(f"{model} {path} B={entry['batch']} GPU ms/step: {parts}")
+    return lines
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
+    """Bars of step time per path and mode, grouped by batch, one subplot per model."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [row for row in rows if row["status"] == "ok"]
+    names = list(dict.fromkeys(row["model"] for row in rows))
+    figure, axes = plt.subplots(1, len(names), figsize=(7 * len(names), 4.5), squeeze=False)
+    for axis, name in zip(axes[0], names, strict=True):
+        mine = [row for row in ok if row["model"] == name]
+        batches = sorted({row["batch"] for row in mine})
+        series = list(dict.fromkeys((row["path"], row["mode"]) for row in mine))
+        width = 0.8 / max(1, len(series))
+        for index, (path_name, mode) in enumerate(series):
+            heights = [next((row["median_ms"] for row in mine if row["path"] == path_name
+                             and row["mode"] == mode and row["batch"] == batch), 0.0)
+                       for batch in batches]
+            axis.bar([b + index * width for b in range(len(batches))], heights, width,
+                     label=f"{path_name} {mode}")
+        axis.set_xticks([b + 0.4 - width / 2 for b in range(len(batches))],
+                        [f"B={batch}" for batch in batches])
+        axis.set_ylabel("training step (ms)")
+        axis.set_title(name)
+        if any(row["median_ms"] for row in mine):
+            axis.set_yscale("log")
+        axis.legend(fontsize="small")
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def run(args: argparse.Namespace, device: torch.device) -> int:
+    """Time every path of every ``--fovi-model``; write the JSON and the PNG."""
+    if accelerate is None:
+        print(f"--fovi-model needs fovi: {FOVI_MISSING}", file=sys.stderr)
+        return 2
+    defaults = DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
+    args.repeats_given = args.repeats is not None
+    for option, value in defaults.items():
+        if getattr(args, option) is None:
+            setattr(args, option, value)
+    description = device_description(device)
+    print(f"device: {description}; torch {torch.__version__}, CUDA {torch.version.cuda}")
+    rows: list[dict[str, Any]] = []
+    breakdowns: dict[str, dict[str, Any]] = {}
+    sizes: dict[str, dict[str, int]] = {}
+    for name in args.fovi_model:
+        model_rows_, breakdowns[name], sizes[name] = model_rows(name, args, device)
+        rows.extend(model_rows_)
+    print("\n".join(speedup_lines(rows)))
+    if breakdowns and any(breakdowns.values()):
+        print("\n".join(breakdown_lines(breakdowns)))
+    precision = ("float16 autocast, GradScaler (graph: static loss scale)"
+                 if device.type == "cuda" else "float32")
+    result = {
+        "device": description, "torch": torch.__version__, "cuda": torch.version.cuda,
+        "command": " ".join(sys.argv),
+        "settings": {"fovi_models": args.fovi_model, "in_res": args.in_res,
+                     "batches": args.batches, "warmup": args.warmup, "repeats": args.repeats,
+                     "large_batch_repeats": None if args.repeats_given else LARGE_BATCH_REPEATS,
+                     "profile_batch": args.profile_batch, "precision": precision,
+                     "optimizer": f"SGD lr {LEARNING_RATE}", "classes": N_CLASSES,
+                     "sizes": sizes},
+        "rows": rows, "breakdown": breakdowns,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"{args.name or default_name(device)}_fovi_models"
+    json_path, png_path = stem.with_suffix(".json"), stem.with_suffix(".png")
+    json_path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {json_path}")
+    if plot(rows, png_path, f"fovi models, training step: {description}, {precision}"):
+        print(f"wrote {png_path}")
+    else:
+        print(f"matplotlib is not installed: {png_path} not written")
+    # a graph capture that fails is a finding; an eager step that fails is a broken path
+    failed = [row for row in rows if row["status"] == "error" and row["mode"] == "eager"]
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m knnconv.tools.fovi_models",
+                                     description=__doc__.splitlines()[0])
+    add_fovi_arguments(parser)
+    parser.set_defaults(fovi_model=list(FOVI_MODELS))
+    parser.add_argument("--batches", type=comma_list(int_at_least(1)),
+                        help="comma-separated batch sizes (default: 128,512,2048 on a GPU, 2 "
+                             "on a CPU)")
+    parser.add_argument("--warmup", type=int_at_least(0),
+                        help="untimed steps per cell (default 3 on a GPU, 1 on a CPU)")
+    parser.add_argument("--repeats", type=int_at_least(1),
+                        help="timed steps per cell, the median reported (default 15 on a GPU, "
+                             f"{LARGE_BATCH_REPEATS} from batch {LARGE_BATCH}; 3 on a CPU)")
+    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--out", type=Path, default=Path("out") / "bench", metavar="DIR",
+                        help="output folder (default out/bench)")
+    parser.add_argument("--name", help="output file stem (default: from the GPU model, or 'cpu')")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    return run(args, device)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""The fovi whole-model benchmark's smoke run on the CPU: ``knnconv bench --fovi-model`` times
+fovi's own KNNAlexNet (shrunk through --in-res) as fovi runs it, accelerated, and accelerated
+under torch.compile, and writes its JSON and PNG."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("fovi.models.knnalexnet")
+
+from knnconv.tools import bench  # noqa: E402
+
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.meshgrid"),
+              pytest.mark.filterwarnings("ignore:To copy construct from a tensor")]
+
+
+def test_tiny_alexnet_runs_every_path(tmp_path):
+    torch.compiler.reset()
+    try:
+        code = bench.main(["--fovi-model", "alexnet", "--in-res", "8", "--batches", "2",
+                           "--repeats", "1", "--warmup", "0", "--device", "cpu",
+                           "--out", str(tmp_path), "--name", "smoke"])
+    finally:
+        torch.compiler.reset()
+    assert code == 0
+    result = json.loads((tmp_path / "smoke_fovi_models.json").read_text())
+    assert (tmp_path / "smoke_fovi_models.png").stat().st_size > 0
+    rows = {row["path"]: row for row in result["rows"]}
+    for path in ("fovi", "accelerated", "accelerated+compile"):
+        row = rows[path]
+        assert (row["status"], row["mode"], row["batch"]) == ("ok", "eager", 2), row
+        assert row["median_ms"] > 0 and row["peak_mib"] is None
+    assert result["settings"]["sizes"]["alexnet"]["sensor_samples"] > 0
+    if importlib.util.find_spec("torchvision") is None:
+        assert rows["grid"]["status"] == "skipped"
+        assert "torchvision" in rows["grid"]["error"]
+    else:
+        assert rows["grid"]["status"] == "ok"
+    assert result["breakdown"] == {"alexnet": {}}  # the GPU-time profile needs CUDA
