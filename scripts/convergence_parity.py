@@ -35,8 +35,9 @@ import torch
 
 import knnconv
 from knnconv.integrations.fovi import accelerate_with_report
+from knnconv.ops.timing import device_description
 from knnconv.tools import demo
-from knnconv.tools.bench import comma_list, device_description, int_at_least
+from knnconv.tools.options import comma_list, int_at_least
 
 PATHS = ("fovi", "accelerated")
 METRICS = ("loss", "test_accuracy")

@@ -84,12 +84,11 @@ def _checked(base: Settings, changes: dict, *, source: str) -> Settings:
         if name in changes and not isinstance(changes[name], bool):
             raise TypeError(f"{name} must be a bool, got {type(changes[name]).__name__}")
     for name in ("cache_dir", "cuda_include_dir"):
-        if name in changes and changes[name] is not None:
-            if not isinstance(changes[name], (str, os.PathLike)):
-                raise TypeError(f"{name} must be a path, got {type(changes[name]).__name__}")
-            changes[name] = Path(changes[name]).expanduser()
-    if changes.get("cache_dir") is None and "cache_dir" in changes:
-        raise TypeError("cache_dir must be a path")
+        if name not in changes or (name == "cuda_include_dir" and changes[name] is None):
+            continue  # only the include directory may be unset (searched for)
+        if not isinstance(changes[name], (str, os.PathLike)):
+            raise TypeError(f"{name} must be a path, got {type(changes[name]).__name__}")
+        changes[name] = Path(changes[name]).expanduser()
     cache_dir = changes.get("cache_dir")
     if cache_dir is not None and cache_dir.exists() and not cache_dir.is_dir():
         raise ValueError(f"cache_dir {cache_dir} ({source}) is a file, not a directory")

@@ -25,6 +25,7 @@ from ..geometry import foveated_stack, knn_geometry
 from ..ops import KNNConvOps, available_backends, get_ops
 from ..plan import KNNConvPlan, make_plan
 from . import bench, demo
+from .options import int_at_least
 
 DTYPES = {
     "float64": torch.float64,
@@ -264,7 +265,7 @@ def selected_dtypes(names: list[str]) -> list[torch.dtype]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    positive_int = bench.int_at_least(1)
+    positive_int = int_at_least(1)
     parser = argparse.ArgumentParser(
         prog="knnconv", description="KNN convolution: check every backend against the "
         "reference, or run a foveated layer stack through every backend (the default).")
@@ -290,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_command.add_argument("--resolution", type=positive_int, default=64,
                              help="side of the image the sensor replaces")
     run_command.add_argument("--a", type=float, default=0.5, help="foveal magnification offset")
-    run_command.add_argument("--levels", type=bench.int_at_least(2), default=5,
+    run_command.add_argument("--levels", type=int_at_least(2), default=5,
                              help="layouts in the stack (one layer between each two)")
     run_command.add_argument("--channels", type=positive_int, default=32,
                              help="output channels of the first layer; each next one doubles")
@@ -307,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
                               metavar="PNG", help="where to write the figure (default "
                               "out/demo.png; its folder is made)")
     demo_command.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    demo_command.add_argument("--limit", type=bench.int_at_least(demo.MIN_DIGITS), metavar="N",
+    demo_command.add_argument("--limit", type=int_at_least(demo.MIN_DIGITS), metavar="N",
                               help="use only the first N of the 1797 digits, for a quick run")
     return parser
 

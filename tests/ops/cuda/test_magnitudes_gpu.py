@@ -19,7 +19,7 @@ from strategies import (
     magnitude_failures,
     neighbourhood_outputs,
 )
-from test_magnitudes import LAYER
+from test_magnitudes import HALF_DTYPES, LAYER
 
 pytestmark = pytest.mark.gpu
 
@@ -28,8 +28,6 @@ if not torch.cuda.is_available():
 pytest.importorskip("cupy")
 
 import knnconv  # noqa: E402
-
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @pytest.fixture
