@@ -58,7 +58,7 @@ def main(out: str) -> None:
     for batch in BATCHES:
         x = torch.randn(batch, CHANNELS, len(sensor), device=device, dtype=torch.float16,
                         requires_grad=True)
-        for backend in ("torch", "cuda"):
+        for backend in ("torch_compact", "cuda"):
             for name, layer in layers(backend, knn, rf, len(sensor), v).items():
                 layer = layer.to(device, torch.float16)
                 for mode, ms in time_layer(layer, x, device).items():
@@ -84,7 +84,7 @@ def plot(result: dict, path: str) -> None:
     times = {(r["op"], r["batch"], r["mode"], r["backend"]): r["median_ms"]
              for r in result["rows"]}
     cells = sorted({key[:3] for key in times})
-    speedups = [times[(*cell, "torch")] / times[(*cell, "cuda")] for cell in cells]
+    speedups = [times[(*cell, "torch_compact")] / times[(*cell, "cuda")] for cell in cells]
     figure, axis = plt.subplots(figsize=(12, 4))
     axis.bar(range(len(cells)), speedups, color=["C0" if c[2] == "forward" else "C1"
                                                  for c in cells])

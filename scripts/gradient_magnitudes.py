@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     gpu = args.device.startswith("cuda")
     conv_backends = [b for b in ("reference", "torch_compact", "torch_binned", "cuda")
                      if b in available_backends() and (b != "cuda" or gpu)]
-    neighbourhood_backends = ["torch"] + (["cuda"] if gpu else [])
+    neighbourhood_backends = ["torch_compact"] + (["cuda"] if gpu else [])
     rows = []
     for dtype in (torch.float16, torch.bfloat16):
         case = dataclasses.replace(LAYER, dtype=str(dtype)[6:])

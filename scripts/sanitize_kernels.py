@@ -75,7 +75,7 @@ def run_neighbourhood_case(batch, cin, cout, nin, nout, k, v, padding, dtype,
         native = layer.to("cuda", dtype)
         native.backend = "cuda"
         reference = copy.deepcopy(native).to("cpu", torch.float64)  # the rounded weights
-        reference.backend = "torch"
+        reference.backend = "torch_compact"
         results = []
         for module, inputs, grad in ((native, x.cuda(), grad_y.cuda()),
                                      (reference, x.double(), grad_y.double())):

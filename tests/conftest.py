@@ -176,11 +176,12 @@ class CopyKeepingOps(TorchCompactOps):
     def saved_input(self, saved, plan, batch):
         return KeptCopy(saved)
 
-    def gradients(self, plan, grad_y, x, weight, needs, dtypes):
+    def gradients(self, plan, grad_y, x, weight, needs, dtypes, *, dx_channels_last=False):
         self.received.append(x)
         self.needs.append(needs)
         x = x.tensor if isinstance(x, KeptCopy) else x
-        return super().gradients(plan, grad_y, x, weight, needs, dtypes)
+        return super().gradients(plan, grad_y, x, weight, needs, dtypes,
+                                 dx_channels_last=dx_channels_last)
 
 
 def _serves_cpu(name: str) -> bool:

@@ -212,7 +212,7 @@ def neighbourhood_outputs(layer: str, backend: str, dtype: torch.dtype, grad_sca
             return KNNDepthwiseConv.from_coords(channels, inputs, outputs, 9, backend=on)
         return KNNPool.from_coords(inputs, outputs, 9, mode=layer, backend=on)
 
-    module, reference = build(backend), build("torch").double()
+    module, reference = build(backend), build("torch_compact").double()
     x = torch.randn(4, channels, 80, generator=generator).to(dtype)
     grad_y = (torch.randn(4, channels, 30, generator=generator, dtype=torch.float64)
               * grad_scale).to(dtype)

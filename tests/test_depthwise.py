@@ -165,12 +165,12 @@ def test_backend_choice_is_visible_and_cuda_never_falls_back(rng):
     geometry = random_geometry(rng, nin=20, nout=6, k=4)
     layer = KNNDepthwiseConv(3, geometry.knn_indices, geometry.rf_index, nin=20, v=geometry.v)
     layer(torch.randn(2, 3, 20))
-    assert layer.last_backend == "torch"
+    assert layer.last_backend == "torch_compact"
     explicit = KNNDepthwiseConv(3, geometry.knn_indices, geometry.rf_index, nin=20,
                                 v=geometry.v, backend="cuda")
     with pytest.raises(ValueError, match="backend 'cuda' cannot run this call: needs CUDA"):
         explicit(torch.randn(2, 3, 20))
-    with pytest.raises(ValueError, match="backend must be one of"):
+    with pytest.raises(ValueError, match="unknown backend 'native'"):
         KNNDepthwiseSeparableConv(3, 4, geometry.knn_indices, geometry.rf_index, nin=20,
                                   v=geometry.v, backend="native")
 
@@ -183,4 +183,18 @@ def test_more_kernel_cells_than_the_native_weight_gradient_holds_is_refused():
         layer(torch.randn(1, 2, 2))
     layer.backend = "auto"
     layer(torch.randn(1, 2, 2))
-    assert layer.last_backend == "torch"
+    assert layer.last_backend == "torch_compact"
+
+
+def test_dtype_rule_is_knn_convs(rng):
+    # autocast's dtype where active, else one common dtype, as for KNNConv
+    geometry = random_geometry(rng, nin=20, nout=6, k=4)
+    layer = KNNDepthwiseConv(3, geometry.knn_indices, geometry.rf_index, nin=20, v=geometry.v)
+    x = torch.randn(2, 3, 20, generator=rng, dtype=torch.float64)
+    with pytest.raises(TypeError, match="weight has dtype torch.float32 but x has torch.float64"):
+        layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x.float().requires_grad_())
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert layer.weight.grad.dtype == torch.float32  # master weights get their own dtype

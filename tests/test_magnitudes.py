@@ -71,4 +71,4 @@ def test_the_check_fails_a_gradient_that_lost_its_tiny_values(monkeypatch):
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 @pytest.mark.parametrize("grad_scale", GRAD_SCALES)
 def test_pooling_and_depthwise_torch_paths_at_every_gradient_scale(layer, dtype, grad_scale):
-    assert not failures(neighbourhood_outputs(layer, "torch", dtype, grad_scale))
+    assert not failures(neighbourhood_outputs(layer, "torch_compact", dtype, grad_scale))

@@ -117,9 +117,11 @@ def test_opcheck(backend, rng):
         torch.library.opcheck(torch.ops.knnconv.forward.default, forward_args)
         y, saved = torch.ops.knnconv.forward(*forward_args)
         for bias_dtype in (torch.float32, None):  # with and without the bias gradient
-            torch.library.opcheck(torch.ops.knnconv.backward.default,
-                                  (torch.randn_like(y), x, saved, weight, plan.handle, backend,
-                                   torch.float32, True, True, bias_dtype))
+            for dx_channels_last in (True, False):
+                torch.library.opcheck(torch.ops.knnconv.backward.default,
+                                      (torch.randn_like(y), x, saved, weight, plan.handle,
+                                       backend, torch.float32, True, True, bias_dtype,
+                                       dx_channels_last))
 
 
 @pytest.mark.parametrize("batch", [0, 17])
@@ -162,3 +164,87 @@ def test_a_compiled_layer_keeping_its_relayout_does_not_also_save_its_input(rng,
             compiled(leaf)
     # the copy replaces x among what the backward keeps; without it, x itself is kept
     assert (leaf.data_ptr() in saved) is not keep
+
+
+def neighbourhood_network(backend: str, generator: torch.Generator,
+                          mode: str) -> torch.nn.Module:
+    """KNNConv -> KNNPool -> KNNDepthwiseConv: the pooling reads the convolution's
+    channels-last output, the depthwise layer the pooling's."""
+    first = random_geometry(generator, nin=30, nout=14, k=5, v=9, padding=0.1)
+    pooling = random_geometry(generator, nin=14, nout=8, k=4, padding=0.2)
+    depthwise = random_geometry(generator, nin=8, nout=5, k=3, v=4)
+    return torch.nn.Sequential(
+        knnconv.KNNConv(3, 6, first.knn_indices, first.rf_index, nin=30, v=9, backend=backend),
+        knnconv.KNNPool(pooling.knn_indices, nin=14, mode=mode, backend=backend),
+        knnconv.KNNDepthwiseConv(6, depthwise.knn_indices, depthwise.rf_index, nin=8, v=4,
+                                 backend=backend),
+    ).double()
+
+
+@pytest.mark.parametrize("mode", ["max", "avg", "sum"])
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_compiled_pooling_and_depthwise_match_eager_without_graph_breaks(mode, compiler, rng):
+    model = neighbourhood_network("torch_compact", rng, mode)
+    x = torch.randn(5, 3, 30, generator=rng, dtype=torch.float64)
+    eager = gradients(model, x)
+    torch.compiler.reset()
+    counter = CompileCounterWithBackend(compiler)
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    for got, expected in zip(gradients(compiled, x), eager, strict=True):
+        assert rel_err(got, expected) < 1e-12
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_pooling_and_depthwise_opcheck(backend, rng):
+    geometry = random_geometry(rng, nin=20, nout=7, k=5, v=9, padding=0.2)
+    pooling = knnconv.plan.NeighbourhoodPlan(geometry.knn_indices, nin=20)
+    depthwise = knnconv.plan.NeighbourhoodPlan(geometry.knn_indices, nin=20,
+                                               rf_index=geometry.rf_index, v=9)
+    contiguous = torch.randn(2, 3, 20, generator=rng)
+    channels_last = contiguous.transpose(1, 2).contiguous().transpose(1, 2)
+    weight, bias = torch.randn(3, 9, generator=rng), torch.randn(3, generator=rng)
+    for x in (contiguous, channels_last):
+        for mode in ("max", "avg", "sum"):
+            args = (x, pooling.handle, backend, mode)
+            torch.library.opcheck(torch.ops.knnconv.pool_forward.default, args)
+            y, ties = torch.ops.knnconv.pool_forward(*args)
+            assert knnconv.ops.registry.is_channels_last(y) == (x is channels_last)
+            for layout in (True, False):
+                torch.library.opcheck(torch.ops.knnconv.pool_backward.default,
+                                      (torch.randn_like(y), x, y, ties, pooling.handle,
+                                       backend, mode, layout))
+        args = (x, weight, bias, depthwise.handle, backend, torch.float32)
+        torch.library.opcheck(torch.ops.knnconv.depthwise_forward.default, args)
+        y = torch.ops.knnconv.depthwise_forward(*args)
+        for bias_dtype in (torch.float32, None):
+            torch.library.opcheck(torch.ops.knnconv.depthwise_backward.default,
+                                  (torch.randn_like(y), x, weight, depthwise.handle, backend,
+                                   torch.float32, True, True, bias_dtype))
+
+
+def test_dx_comes_in_the_storage_of_x_eager_and_compiled(rng):
+    model = small_network("torch_compact", rng)
+    contiguous = torch.randn(4, 3, 30, generator=rng, dtype=torch.float64)
+    channels_last = contiguous.transpose(1, 2).contiguous().transpose(1, 2)
+    torch.compiler.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="inductor")
+    for module in (model, compiled):
+        for source, expected in ((contiguous, False), (channels_last, True)):
+            x = source.detach().requires_grad_()
+            module(x).sum().backward()
+            assert knnconv.ops.registry.is_channels_last(x.grad) == expected
+
+
+def test_pooling_keeps_its_input_storage_on_every_path(rng):
+    geometry = random_geometry(rng, nin=20, nout=7, k=5, padding=0.2)
+    pool = knnconv.KNNPool(geometry.knn_indices, nin=20, mode="max").double()
+    contiguous = torch.randn(2, 4, 20, generator=rng, dtype=torch.float64)
+    channels_last = contiguous.transpose(1, 2).contiguous().transpose(1, 2)
+    for x in (contiguous, channels_last):
+        x = x.detach().requires_grad_()
+        y = pool(x)
+        y.backward(torch.randn_like(y))
+        expected = knnconv.ops.registry.is_channels_last(x)
+        assert knnconv.ops.registry.is_channels_last(y) == expected
+        assert knnconv.ops.registry.is_channels_last(x.grad) == expected

@@ -83,3 +83,14 @@ def check_tables(knn_indices: torch.Tensor, rf_index: torch.Tensor, nin: int, v:
         )
 
 
+
+
+def check_features(x, nin: int, channels: int | None = None) -> None:
+    """Raise TypeError/ValueError naming ``x`` unless it is a floating [B, channels, nin] tensor
+    (any channel count when ``channels`` is None)."""
+    check_tensor("x", x)
+    if x.dim() != 3:
+        raise ValueError(f"x must be 3-D [B, C, Nin], got shape {tuple(x.shape)}")
+    if x.shape[2] != nin or (channels is not None and x.shape[1] != channels):
+        expected = "C" if channels is None else f"C={channels}"
+        raise ValueError(f"x must have shape [B, {expected}, Nin={nin}], got {tuple(x.shape)}")

@@ -1,10 +1,13 @@
-"""KNNConvPlan: the sizes and index tables of one KNN-convolution layer geometry.
+"""Plans: the sizes and index tables of one layer geometry, built once per layer and shared
+by every call.
 
-A plan is built once per layer and shared by every call. It holds the raw neighbour
-tables (knn_indices, rf_index) and the compact int32 gather tables
-(input_linear, weight_linear), copied lazily to each device they are used on. Tables a
-backend derives (launch buffers, reverse maps) are built once per device through
-:meth:`KNNConvPlan.derived` and live as long as the plan.
+:class:`KNNConvPlan` (KNN convolution) holds the raw neighbour tables (knn_indices, rf_index)
+and the compact int32 gather tables (input_linear, weight_linear); :class:`NeighbourhoodPlan`
+(the per-channel layers: pooling and depthwise convolution) holds knn_indices and, for a
+depthwise layer, each slot's kernel cell. Both copy their tables lazily to each device they are
+used on; tables a backend derives (launch buffers, reverse maps) are built once per device
+through :meth:`GeometryPlan.derived` and live as long as the plan. A plan's ``handle`` is the
+string that names it inside the knnconv custom ops.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ._checks import as_index_tensor, check_positive, check_tables
+from ._checks import as_index_tensor, check_knn_indices, check_positive, check_tables
 from .persistent import build_persistent, on_builder_thread
 
 INT32_MAX = 2**31 - 1
@@ -73,40 +76,40 @@ class DeviceTables:
     derived: dict[str, Any] = field(default_factory=dict)
 
 
-class KNNConvPlan:
-    """Sizes and tables of one KNN-convolution geometry; build with :func:`make_plan`.
+@dataclass
+class NeighbourhoodTables:
+    """One NeighbourhoodPlan's tables on one device, plus the tables backends derived there."""
 
-    ``handle`` is the string that names the plan inside the knnconv custom ops; plans with the
-    same sizes and tables have the same handle.
+    knn_indices: torch.Tensor  # int64 [K, Nout]
+    slot_cells: torch.Tensor | None  # int64 [K, Nout]: each slot's kernel cell, V for padding
+    derived: dict[str, Any] = field(default_factory=dict)
+
+
+class GeometryPlan:
+    """What every plan shares: host tables copied to each device on first use, tables derived
+    from them once per device, and a content-named handle registered while the plan lives.
+
+    Subclasses set ``self._host`` (a tables dataclass with a ``derived`` dict) and call
+    :meth:`_finish`.
     """
 
-    def __init__(
-        self, knn_indices: torch.Tensor, rf_index: torch.Tensor, *, nin: int, v: int, cin: int,
-        cout: int,
-    ) -> None:
-        knn_indices = as_index_tensor("knn_indices", knn_indices)
-        rf_index = as_index_tensor("rf_index", rf_index)
-        self.nin = check_positive("nin", nin)
-        self.v = check_positive("v", v)
-        self.cin = check_positive("cin", cin)
-        self.cout = check_positive("cout", cout)
-        input_linear, weight_linear = compact_tables(
-            knn_indices.cpu(), rf_index.cpu(), self.cin, self.nin, self.v
-        )
-        self.k, self.nout = knn_indices.shape
-        self.p = self.cin * self.k
-        self.p64 = input_linear.shape[1]
-        self.q = self.cin * self.v
-        self.padding_fraction = float((knn_indices == self.nin).float().mean())
-        self._host = DeviceTables(
-            knn_indices.cpu().to(torch.int64).contiguous(),
-            rf_index.cpu().to(torch.int64).contiguous(),
-            input_linear,
-            weight_linear,
-        )
-        self._per_device: dict[torch.device, DeviceTables] = {torch.device("cpu"): self._host}
+    _host: Any
+
+    def _finish(self) -> None:
+        self._per_device: dict[torch.device, Any] = {torch.device("cpu"): self._host}
         self._start_building()
         self._register()
+
+    def _copy_tables(self, device: torch.device):
+        """The host tables copied to ``device``, with an empty ``derived``."""
+        raise NotImplementedError
+
+    def _describe(self) -> str:
+        """The sizes part of the handle: ``Name(size=..., ...``, closed by the tables' digest."""
+        raise NotImplementedError
+
+    def _hashed_tables(self) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
 
     def _start_building(self) -> None:
         # Builds in progress: (cache id, key) -> (the building thread, the Future later callers
@@ -162,11 +165,9 @@ class KNNConvPlan:
         # constant of the graph. Its content names the sizes and tables, so a graph that
         # torch.compile cached on disk in another process serves only plans it fits.
         digest = hashlib.blake2b(digest_size=16)
-        for table in (self._host.knn_indices, self._host.rf_index):
+        for table in self._hashed_tables():
             digest.update(table.numpy())
-        self.handle = (f"KNNConvPlan(cin={self.cin}, cout={self.cout}, nin={self.nin}, "
-                       f"nout={self.nout}, k={self.k}, v={self.v}, "
-                       f"tables={digest.hexdigest()})")
+        self.handle = f"{self._describe()}, tables={digest.hexdigest()})"
         with _plans_lock:
             plans = _plans_by_handle.setdefault(self.handle, weakref.WeakSet())
             plans.add(self)
@@ -175,7 +176,7 @@ class KNNConvPlan:
         weakref.finalize(self, _forget_handle, self.handle)
 
     @staticmethod
-    def from_handle(handle: str) -> KNNConvPlan:
+    def from_handle(handle: str) -> GeometryPlan:
         with _plans_lock:
             plan = next(iter(_plans_by_handle.get(handle, ())), None)
         if plan is None:
@@ -197,21 +198,18 @@ class KNNConvPlan:
         self._start_building()
         self._register()
 
-    def on(self, device: torch.device | str) -> DeviceTables:
+    def on(self, device: torch.device | str):
         """The tables on ``device``, copied there on first use and cached for the plan's life."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         tables = self._per_device.get(device)
         if tables is None:
-            host = self._host
-            tables = self._build_once(self._per_device, device, device, lambda: DeviceTables(
-                *(t.to(device) for t in (host.knn_indices, host.rf_index, host.input_linear,
-                                         host.weight_linear))))
+            tables = self._build_once(self._per_device, device, device,
+                                      lambda: self._copy_tables(device))
         return tables
 
-    def derived(self, device: torch.device | str, key: str,
-                build: Callable[[DeviceTables], Any]) -> Any:
+    def derived(self, device: torch.device | str, key: str, build: Callable[[Any], Any]) -> Any:
         """A table derived from this plan on ``device``, built once by ``build(tables)``."""
         tables = self.on(device)
         value = tables.derived.get(key)
@@ -219,6 +217,51 @@ class KNNConvPlan:
             value = self._build_once(tables.derived, key, tables.knn_indices.device,
                                      lambda: build(tables))
         return value
+
+
+class KNNConvPlan(GeometryPlan):
+    """Sizes and tables of one KNN-convolution geometry; build with :func:`make_plan`.
+
+    Plans with the same sizes and tables have the same handle.
+    """
+
+    def __init__(
+        self, knn_indices: torch.Tensor, rf_index: torch.Tensor, *, nin: int, v: int, cin: int,
+        cout: int,
+    ) -> None:
+        knn_indices = as_index_tensor("knn_indices", knn_indices)
+        rf_index = as_index_tensor("rf_index", rf_index)
+        self.nin = check_positive("nin", nin)
+        self.v = check_positive("v", v)
+        self.cin = check_positive("cin", cin)
+        self.cout = check_positive("cout", cout)
+        input_linear, weight_linear = compact_tables(
+            knn_indices.cpu(), rf_index.cpu(), self.cin, self.nin, self.v
+        )
+        self.k, self.nout = knn_indices.shape
+        self.p = self.cin * self.k
+        self.p64 = input_linear.shape[1]
+        self.q = self.cin * self.v
+        self.padding_fraction = float((knn_indices == self.nin).float().mean())
+        self._host = DeviceTables(
+            knn_indices.cpu().to(torch.int64).contiguous(),
+            rf_index.cpu().to(torch.int64).contiguous(),
+            input_linear,
+            weight_linear,
+        )
+        self._finish()
+
+    def _copy_tables(self, device: torch.device) -> DeviceTables:
+        host = self._host
+        return DeviceTables(*(t.to(device) for t in (
+            host.knn_indices, host.rf_index, host.input_linear, host.weight_linear)))
+
+    def _describe(self) -> str:
+        return (f"KNNConvPlan(cin={self.cin}, cout={self.cout}, nin={self.nin}, "
+                f"nout={self.nout}, k={self.k}, v={self.v}")
+
+    def _hashed_tables(self) -> tuple[torch.Tensor, ...]:
+        return self._host.knn_indices, self._host.rf_index
 
     @property
     def knn_indices(self) -> torch.Tensor:
@@ -233,7 +276,6 @@ class KNNConvPlan:
             f"KNNConvPlan(cin={self.cin}, cout={self.cout}, nin={self.nin}, nout={self.nout}, "
             f"k={self.k}, v={self.v}, p64={self.p64}, padding={self.padding_fraction:.1%})"
         )
-
 
 def _forget_handle(handle: str) -> None:
     """Drop a handle whose last plan has died (a WeakSet yields only live plans)."""
@@ -252,3 +294,55 @@ def make_plan(
     rf_index: integer [Nout, K], entries in [0, v).
     """
     return KNNConvPlan(knn_indices, rf_index, nin=nin, v=v, cin=cin, cout=cout)
+
+
+class NeighbourhoodPlan(GeometryPlan):
+    """Sizes and tables of one per-channel neighbourhood layer: a pooling (``v`` None) or a
+    depthwise convolution over ``v`` kernel cells (``rf_index`` [Nout, K] gives each slot's).
+
+    The tables are validated here; plans with the same sizes and tables have the same handle.
+    """
+
+    def __init__(self, knn_indices, *, nin: int, rf_index=None, v: int | None = None) -> None:
+        knn_indices = as_index_tensor("knn_indices", knn_indices).cpu().to(torch.int64)
+        self.nin = check_positive("nin", nin)
+        if (rf_index is None) != (v is None):
+            raise ValueError("rf_index and v go together: both for a depthwise layer, neither "
+                             "for a pooling")
+        slot_cells = None
+        if rf_index is None:
+            check_knn_indices(knn_indices, self.nin)
+            self.v = None
+        else:
+            rf_index = as_index_tensor("rf_index", rf_index).cpu().to(torch.int64)
+            self.v = check_positive("v", v)
+            check_tables(knn_indices, rf_index, self.nin, self.v)
+            # padding slots read cell V, a zero the backends append to the weight
+            slot_cells = torch.where(knn_indices == self.nin, self.v, rf_index.t()).contiguous()
+        self.k, self.nout = knn_indices.shape
+        self._host = NeighbourhoodTables(knn_indices.contiguous(), slot_cells)
+        self._finish()
+
+    def _copy_tables(self, device: torch.device) -> NeighbourhoodTables:
+        host = self._host
+        return NeighbourhoodTables(host.knn_indices.to(device),
+                                   None if host.slot_cells is None else host.slot_cells.to(device))
+
+    def _describe(self) -> str:
+        return f"NeighbourhoodPlan(nin={self.nin}, nout={self.nout}, k={self.k}, v={self.v}"
+
+    def _hashed_tables(self) -> tuple[torch.Tensor, ...]:
+        host = self._host
+        return (host.knn_indices,) if host.slot_cells is None else (host.knn_indices,
+                                                                    host.slot_cells)
+
+    @property
+    def knn_indices(self) -> torch.Tensor:
+        return self._host.knn_indices
+
+    @property
+    def slot_cells(self) -> torch.Tensor | None:
+        return self._host.slot_cells
+
+    def __repr__(self) -> str:
+        return self.handle.split(", tables=")[0] + ")"

@@ -3,7 +3,11 @@
 y[b, c, n] = reduce over the real neighbours k of n of x[b, c, knn[k, n]], where ``knn[k, n]
 == Nin`` marks a padding neighbour that takes no part: ``max`` is the largest real value,
 ``avg`` the sum over the real neighbours divided by their count, ``sum`` their sum. A node
-whose neighbours are all padding gives 0 in every mode.
+whose neighbours are all padding gives 0 in every mode. Gradients flow like ``torch.amax``
+(shared equally between tied maxima) in ``max`` mode.
+
+The output keeps the input's storage: pooling a convolution's channels-last output gives a
+channels-last result, which the next convolution reads without a copy.
 """
 
 from __future__ import annotations
@@ -11,122 +15,56 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._checks import as_index_tensor, check_knn_indices, check_positive
+from ._checks import check_positive
+from .functional import POOL_MODES, check_mode, knn_pool_with_backend
 from .geometry import knn_geometry
-from .neighbours import (
-    NativeTableCache,
-    check_backend,
-    check_features,
-    gather_neighbours,
-    native_tables,
-    resolve_neighbourhood_backend,
-)
-from .ops.cuda import neighbourhood
-from .ops.registry import accumulation_dtype
+from .ops.registry import get_ops
+from .plan import NeighbourhoodPlan
 
-POOL_MODES = ("max", "avg", "sum")
+__all__ = ["POOL_MODES", "KNNPool", "knn_pool"]
 
 
 def knn_pool(x: torch.Tensor, knn_indices, nin: int, mode: str = "max",
              backend: str = "auto") -> torch.Tensor:
     """Pool x [B, C, Nin] over each output node's neighbours; returns [B, C, Nout].
 
-    knn_indices: integer [K, Nout], entries in [0, nin] (nin = padding neighbour). Gradients
-    flow like ``torch.amax`` (shared equally between tied maxima) in ``max`` mode. backend:
-    'torch', 'cuda' (native kernels: float16/bfloat16/float32 on an sm_80+ GPU with CuPy) or
-    'auto' (cuda where it serves). The KNNPool layer caches the native tables; this function
-    builds them per call.
+    knn_indices: integer [K, Nout], entries in [0, nin] (nin = padding neighbour). backend:
+    'auto' (the native kernels where they serve: float16/bfloat16/float32 on an sm_80+ GPU
+    with CuPy), or any registered backend ('cuda', 'torch_compact', ...), which never falls
+    back. The KNNPool layer builds its tables once; this function builds them per call.
     """
-    nin = check_positive("nin", nin)
-    knn_indices = checked_knn_indices(knn_indices, nin)
-    check_features(x, nin)
-    mode = check_mode(mode)
-    return _pool(x, knn_indices.to(x.device), nin, mode, check_backend(backend), None)[0]
+    plan = NeighbourhoodPlan(knn_indices, nin=nin)
+    return knn_pool_with_backend(x, plan, mode, backend)[0]
 
 
-def _pool(x, knn_indices, nin: int, mode: str, backend: str, cache: NativeTableCache | None):
-    """(y, backend that ran) on validated arguments; native tables from ``cache``, or built
-    for this call alone where there is none (the function's)."""
-    if resolve_neighbourhood_backend(backend, x, atomics=False) == "torch":
-        return pool_neighbours(x, knn_indices, nin, mode), "torch"
-    tables = native_tables(knn_indices, nin) if cache is None else cache.get(knn_indices, nin)
-    return _NativePool.apply(x, tables, nin, mode), "cuda"
-
-
-class _NativePool(torch.autograd.Function):
-    """Pooling on the native kernels; dx is a gather over the reversed graph (deterministic)."""
-
-    @staticmethod
-    def forward(ctx, x, tables, nin: int, mode: str):
-        x = x.contiguous()
-        y, ties = neighbourhood.pool_forward(x, tables.knn, nin, mode)
-        ctx.tables, ctx.mode, ctx.nin, ctx.dtype = tables, mode, nin, x.dtype
-        if mode == "max":  # the max and its tie count say which inputs get gradient
-            ctx.save_for_backward(x, y, ties)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        x, y, ties = ctx.saved_tensors if ctx.mode == "max" else (None, None, None)
-        grad_y = grad_y.to(ctx.dtype).contiguous()
-        dx = neighbourhood.pool_backward(grad_y, x, y, ties, ctx.tables.scale,
-                                         ctx.tables.reverse, ctx.mode, ctx.nin)
-        return dx, None, None, None
-
-
-def checked_knn_indices(knn_indices, nin: int) -> torch.Tensor:
-    """knn_indices as int64 [K, Nout]; TypeError/ValueError naming it unless it is a valid table."""
-    knn_indices = as_index_tensor("knn_indices", knn_indices)
-    check_knn_indices(knn_indices, nin)
-    return knn_indices.to(torch.int64)
-
-
-def check_mode(mode) -> str:
-    if mode not in POOL_MODES:
-        raise ValueError(f"mode must be one of {POOL_MODES}, got {mode!r}")
-    return mode
-
-
-def pool_neighbours(x: torch.Tensor, knn_indices: torch.Tensor, nin: int,
-                    mode: str) -> torch.Tensor:
-    """The pooling itself, on already validated arguments (knn_indices int64 on x's device).
-
-    Half-precision x is pooled in float32 and the result rounded once: a sum of K values, and
-    dx, which sums the gradients of every node that reads an input, would otherwise round at
-    every step and overflow where float32 does not."""
-    real = knn_indices != nin  # [K, Nout]
-    wide = x.to(accumulation_dtype(x.dtype))
-    if mode == "max":
-        # -inf padding never wins a max over a real value; nodes with no real neighbour would
-        # give -inf, and are set to 0 by a where whose backward sends them no gradient.
-        pooled = gather_neighbours(wide, knn_indices, fill=-torch.inf).amax(dim=2)
-        return torch.where(real.any(dim=0), pooled, 0.0).to(x.dtype)
-    pooled = gather_neighbours(wide, knn_indices, fill=0.0).sum(dim=2)
-    if mode == "avg":
-        # Clamping the count at 1 leaves an all-padding node at its sum, 0.
-        pooled = pooled / real.sum(dim=0).clamp_min(1).to(pooled.dtype)
-    return pooled.to(x.dtype)
+def check_backend(backend) -> str:
+    """backend as given; an unknown name fails here, not at the first forward."""
+    if backend != "auto":
+        get_ops(backend)
+    return backend
 
 
 class KNNPool(nn.Module):
     """KNN pooling layer (see :func:`knn_pool`); x [B, C, Nin] -> [B, C, Nout].
 
-    The neighbour table is a non-persistent buffer: it follows ``.to(device)`` and stays out of
-    the state_dict, like the KNNConv geometry.
+    The neighbour table lives in the layer's plan (``self.plan``): copied to each device it
+    is used on, and out of the state_dict, like the KNNConv geometry. After each forward,
+    ``last_backend`` names the backend that computed it.
     """
-
-    knn_indices: torch.Tensor
 
     def __init__(self, knn_indices, *, nin: int, mode: str = "max",
                  backend: str = "auto") -> None:
         super().__init__()
-        self.nin = check_positive("nin", nin)
+        self.plan = NeighbourhoodPlan(knn_indices, nin=check_positive("nin", nin))
+        self.nin = self.plan.nin
         self.mode = check_mode(mode)
         self.backend = check_backend(backend)
-        self.last_backend: str | None = None  # which backend ran the last forward
-        self._native_tables = NativeTableCache()
-        self.register_buffer("knn_indices", checked_knn_indices(knn_indices, self.nin),
-                             persistent=False)
+        self.last_backend: str | None = None
+
+    @property
+    def knn_indices(self) -> torch.Tensor:
+        """The neighbour table, int64 [K, Nout] (host copy)."""
+        return self.plan.knn_indices
 
     @classmethod
     def from_coords(cls, in_coords, out_coords, k: int, *, mode: str = "max",
@@ -136,12 +74,9 @@ class KNNPool(nn.Module):
         return cls(knn_indices, nin=len(in_coords), mode=mode, backend=backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_features(x, self.nin)
-        y, self.last_backend = _pool(x, self.knn_indices, self.nin, self.mode, self.backend,
-                                     self._native_tables)
+        y, self.last_backend = knn_pool_with_backend(x, self.plan, self.mode, self.backend)
         return y
 
     def extra_repr(self) -> str:
-        k, nout = self.knn_indices.shape
-        return (f"nin={self.nin}, nout={nout}, k={k}, mode={self.mode!r}, "
-                f"backend={self.backend!r}")
+        return (f"nin={self.nin}, nout={self.plan.nout}, k={self.plan.k}, mode={self.mode!r}, "
+                f"backend={self.backend!r}, last_backend={self.last_backend!r}")

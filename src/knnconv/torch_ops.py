@@ -1,23 +1,29 @@
-"""The knnconv custom ops (torch.library), so torch.compile sees KNN convolution as opaque
-nodes with shape functions and a registered backward, and compiles a network of KNNConv
-layers without graph breaks.
+"""The knnconv custom ops (torch.library), so torch.compile sees every KNN op (convolution,
+pooling, depthwise convolution) as an opaque node with a shape function and a registered
+backward, and compiles a network of knnconv layers without graph breaks.
 
-Eager calls take KNNConvFunction (cheaper per call); traced calls take these ops. Both run
-knnconv.ops.execute's forward_impl / backward_impl, so the two paths compute the same thing.
-A plan travels through the op schema as its handle, a string (KNNConvPlan.handle).
+Eager calls take the autograd Functions of knnconv.functional (cheaper per call); traced calls
+take these ops. Both run the same backend calls (knnconv.ops.execute's impls), so the two paths
+compute the same thing. A plan travels through the op schema as its handle, a string
+(GeometryPlan.handle).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .ops.execute import backward_impl, forward_impl
-from .ops.registry import get_ops
-from .plan import KNNConvPlan
+from .ops.execute import (
+    backward_impl,
+    depthwise_backward_impl,
+    depthwise_forward_impl,
+    forward_impl,
+)
+from .ops.registry import get_ops, in_storage, is_channels_last
+from .plan import GeometryPlan
 
 
-def _plan(handle: str) -> KNNConvPlan:
-    return KNNConvPlan.from_handle(handle)
+def _plan(handle: str) -> GeometryPlan:
+    return GeometryPlan.from_handle(handle)
 
 
 # Inductor lays out a compiled graph's buffers from the fake implementations and asserts that
@@ -28,6 +34,15 @@ def _node_major(y: torch.Tensor) -> torch.Tensor:
     if y.transpose(1, 2).is_contiguous():
         return y
     return y.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _empty_like_storage(shape: tuple, channels_last: bool, like: torch.Tensor,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """An empty [B, C, N] tensor in channels-last storage or contiguous."""
+    if not channels_last:
+        return like.new_empty(shape, dtype=dtype)
+    batch, channels, nodes = shape
+    return like.new_empty(batch, nodes, channels, dtype=dtype).transpose(1, 2)
 
 
 @torch.library.custom_op("knnconv::forward", mutates_args=())
@@ -55,10 +70,11 @@ def _(x, weight, bias, plan, backend, dtype, keep):
 @torch.library.custom_op("knnconv::backward", mutates_args=())
 def backward_op(grad_y: torch.Tensor, x: torch.Tensor, saved: torch.Tensor,
                 weight: torch.Tensor, plan: str, backend: str, dtype: torch.dtype,
-                need_x: bool, need_w: bool, bias_dtype: torch.dtype | None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                need_x: bool, need_w: bool, bias_dtype: torch.dtype | None,
+                dx_channels_last: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_x, grad_weight, grad_bias) in the dtypes of x, weight and the bias (bias_dtype;
-    None when its gradient is not needed); empty where not needed."""
+    None when its gradient is not needed); empty where not needed. grad_x in channels-last
+    storage when ``dx_channels_last``, else contiguous."""
     layer, ops = _plan(plan), get_ops(backend)
     saved_x = None
     if need_w:
@@ -67,15 +83,18 @@ def backward_op(grad_y: torch.Tensor, x: torch.Tensor, saved: torch.Tensor,
     need_b = bias_dtype is not None
     grad_x, grad_w, grad_b = backward_impl(layer, ops, grad_y, saved_x, weight,
                                            (need_x, need_w, need_b),
-                                           (x.dtype, weight.dtype, bias_dtype), dtype)
-    return (grad_x.contiguous() if need_x else x.new_empty(0),
+                                           (x.dtype, weight.dtype, bias_dtype), dtype,
+                                           dx_channels_last)
+    return (grad_x if need_x else x.new_empty(0),
             grad_w.contiguous() if need_w else weight.new_empty(0),
             grad_b if need_b else weight.new_empty(0))
 
 
 @backward_op.register_fake
-def _(grad_y, x, saved, weight, plan, backend, dtype, need_x, need_w, bias_dtype):
-    return (x.new_empty(x.shape) if need_x else x.new_empty(0),
+def _(grad_y, x, saved, weight, plan, backend, dtype, need_x, need_w, bias_dtype,
+      dx_channels_last):
+    grad_x = _empty_like_storage(tuple(x.shape), dx_channels_last, x, x.dtype)
+    return (grad_x if need_x else x.new_empty(0),
             weight.new_empty(weight.shape) if need_w else weight.new_empty(0),
             weight.new_empty(_plan(plan).cout, dtype=bias_dtype) if bias_dtype is not None
             else weight.new_empty(0))
@@ -91,6 +110,7 @@ def _setup_context(ctx, inputs, output):
     ctx.input_meta = (x.shape, x.dtype) if relaid else None
     ctx.plan, ctx.backend, ctx.dtype = plan, backend, dtype
     ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.channels_last = is_channels_last(x)
 
 
 def _backward(ctx, grad_y, _grad_saved):
@@ -101,7 +121,7 @@ def _backward(ctx, grad_y, _grad_saved):
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     grad_x, grad_w, grad_b = backward_op(grad_y, x, saved, weight, ctx.plan, ctx.backend,
                                          ctx.dtype, need_x, need_w,
-                                         ctx.bias_dtype if need_b else None)
+                                         ctx.bias_dtype if need_b else None, ctx.channels_last)
     return (grad_x if need_x else None, grad_w if need_w else None,
             grad_b if need_b else None, None, None, None, None)
 
@@ -109,9 +129,136 @@ def _backward(ctx, grad_y, _grad_saved):
 forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def knn_conv_op(x, weight, bias, plan: KNNConvPlan, backend: str, dtype: torch.dtype,
+def knn_conv_op(x, weight, bias, plan: GeometryPlan, backend: str, dtype: torch.dtype,
                 keep_relayout: bool):
     """knn_conv through the custom ops (the traced path of functional.knn_conv).
     keep_relayout: knnconv.context's keep_input_relayout."""
     keep = keep_relayout and weight.requires_grad and torch.is_grad_enabled()
     return forward_op(x, weight, bias, plan.handle, backend, dtype, keep)[0]
+
+
+@torch.library.custom_op("knnconv::pool_forward", mutates_args=())
+def pool_forward_op(x: torch.Tensor, plan: str, backend: str,
+                    mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, ties): y [B, C, Nout] in x's dtype and storage; ties as the backend returns them
+    for the backward of a max (empty where it returns none)."""
+    y, ties = get_ops(backend).pool_forward(_plan(plan), x, mode)
+    return y, x.new_empty(0) if ties is None else ties
+
+
+@pool_forward_op.register_fake
+def _(x, plan, backend, mode):
+    shape = (x.shape[0], x.shape[1], _plan(plan).nout)
+    channels_last = is_channels_last(x)
+    y = _empty_like_storage(shape, channels_last, x, x.dtype)
+    ties_dtype = get_ops(backend).pool_ties_dtype(mode)
+    ties = x.new_empty(0) if ties_dtype is None else _empty_like_storage(
+        shape, channels_last, x, ties_dtype)
+    return y, ties
+
+
+@torch.library.custom_op("knnconv::pool_backward", mutates_args=())
+def pool_backward_op(grad_y: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                     ties: torch.Tensor, plan: str, backend: str, mode: str,
+                     channels_last: bool) -> torch.Tensor:
+    """dx [B, C, Nin] in grad_y's dtype, channels-last storage when ``channels_last``; x, y and
+    ties are read in max mode only (empty otherwise)."""
+    kept = (x, y, ties if ties.numel() else None) if mode == "max" else (None, None, None)
+    dx = get_ops(backend).pool_backward(_plan(plan), grad_y, *kept, mode, channels_last)
+    return in_storage(dx, channels_last)
+
+
+@pool_backward_op.register_fake
+def _(grad_y, x, y, ties, plan, backend, mode, channels_last):
+    shape = (grad_y.shape[0], grad_y.shape[1], _plan(plan).nin)
+    return _empty_like_storage(shape, channels_last, grad_y, grad_y.dtype)
+
+
+def _pool_setup_context(ctx, inputs, output):
+    x, plan, backend, mode = inputs
+    y, ties = output
+    if mode == "max":
+        ctx.save_for_backward(x, y, ties)
+    ctx.plan, ctx.backend, ctx.mode, ctx.channels_last = plan, backend, mode, is_channels_last(x)
+
+
+def _pool_backward(ctx, grad_y, _grad_ties):
+    if ctx.mode == "max":
+        x, y, ties = ctx.saved_tensors
+    else:
+        x = y = ties = grad_y.new_empty(0)
+    dx = pool_backward_op(grad_y, x, y, ties, ctx.plan, ctx.backend, ctx.mode,
+                          ctx.channels_last)
+    return dx, None, None, None
+
+
+pool_forward_op.register_autograd(_pool_backward, setup_context=_pool_setup_context)
+
+
+def knn_pool_op(x: torch.Tensor, plan: GeometryPlan, backend: str, mode: str) -> torch.Tensor:
+    """knn_pool through the custom ops (the traced path of functional.knn_pool)."""
+    return pool_forward_op(x, plan.handle, backend, mode)[0]
+
+
+@torch.library.custom_op("knnconv::depthwise_forward", mutates_args=())
+def depthwise_forward_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         plan: str, backend: str, dtype: torch.dtype) -> torch.Tensor:
+    """y [B, C, Nout] contiguous, in ``dtype``."""
+    return depthwise_forward_impl(_plan(plan), get_ops(backend), x, weight, bias, dtype)
+
+
+@depthwise_forward_op.register_fake
+def _(x, weight, bias, plan, backend, dtype):
+    return x.new_empty(x.shape[0], x.shape[1], _plan(plan).nout, dtype=dtype)
+
+
+@torch.library.custom_op("knnconv::depthwise_backward", mutates_args=())
+def depthwise_backward_op(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                          plan: str, backend: str, dtype: torch.dtype, need_x: bool,
+                          need_w: bool, bias_dtype: torch.dtype | None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_x, grad_weight, grad_bias) in the dtypes of x, weight and the bias (bias_dtype;
+    None when its gradient is not needed); empty where not needed."""
+    need_b = bias_dtype is not None
+    grad_x, grad_w, grad_b = depthwise_backward_impl(
+        _plan(plan), get_ops(backend), grad_y, x, weight, (need_x, need_w, need_b),
+        (x.dtype, weight.dtype, bias_dtype), dtype)
+    return (grad_x.contiguous() if need_x else x.new_empty(0),
+            grad_w.contiguous() if need_w else weight.new_empty(0),
+            grad_b if need_b else weight.new_empty(0))
+
+
+@depthwise_backward_op.register_fake
+def _(grad_y, x, weight, plan, backend, dtype, need_x, need_w, bias_dtype):
+    return (x.new_empty(x.shape) if need_x else x.new_empty(0),
+            weight.new_empty(weight.shape) if need_w else weight.new_empty(0),
+            weight.new_empty(weight.shape[0], dtype=bias_dtype) if bias_dtype is not None
+            else weight.new_empty(0))
+
+
+def _depthwise_setup_context(ctx, inputs, output):
+    x, weight, bias, plan, backend, dtype = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.plan, ctx.backend, ctx.dtype = plan, backend, dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _depthwise_backward(ctx, grad_y):
+    x, weight = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    grad_x, grad_w, grad_b = depthwise_backward_op(grad_y, x, weight, ctx.plan, ctx.backend,
+                                                   ctx.dtype, need_x, need_w,
+                                                   ctx.bias_dtype if need_b else None)
+    return (grad_x if need_x else None, grad_w if need_w else None,
+            grad_b if need_b else None, None, None, None)
+
+
+depthwise_forward_op.register_autograd(_depthwise_backward,
+                                       setup_context=_depthwise_setup_context)
+
+
+def knn_depthwise_op(x, weight, bias, plan: GeometryPlan, backend: str,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """The depthwise convolution through the custom ops (the traced path of
+    functional.knn_depthwise_conv)."""
+    return depthwise_forward_op(x, weight, bias, plan.handle, backend, dtype)

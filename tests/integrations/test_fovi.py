@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
 fovi_knn = pytest.importorskip("fovi.arch.knn")
+fovi_norm = pytest.importorskip("fovi.arch.norm")
 
 from conftest import rel_err  # noqa: E402
 from knnconv.integrations.fovi import (  # noqa: E402
@@ -131,7 +133,7 @@ def test_conv_layers_match_fovi(kind, coords):
 def test_pooling_matches_fovi(mode, coords):
     layer = fovi_knn.KNNPoolingLayer(9, *coords, mode=mode, device="cpu")
     x = torch.randn(2, 4, len(coords[0]), generator=torch.Generator().manual_seed(0))
-    check_routed(layer, x, layer, "torch")  # float64 on the CPU
+    check_routed(layer, x, layer, "torch_compact")  # float64 on the CPU
 
 
 @pytest.fixture(scope="module")
@@ -232,3 +234,261 @@ def test_copies_keep_their_route(coords):
         assert twin[0].weight is not model[0].weight
         assert torch.equal(twin(x), expected)
         assert twin[0].last_backend == AUTO_ON_CPU
+
+
+# fovi's KNNBatchNorm, routed to keep knnconv's channels-last storage
+
+BATCH, CHANNELS, NODES = 3, 6, 41
+
+
+def channels_last(t: torch.Tensor) -> torch.Tensor:
+    """t [B, C, N] stored as a contiguous [B, N, C], as knnconv's convolutions return it."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def is_stored_channels_last(t: torch.Tensor) -> bool:
+    return t.stride() == (t.shape[1] * t.shape[2], 1, t.shape[1])
+
+
+STORAGES = {"channels_last": channels_last, "contiguous": torch.Tensor.contiguous}
+
+BATCH_NORM_OPTIONS = {
+    "default": {},
+    "cumulative_average": {"momentum": None},
+    "no_affine": {"affine": False},
+    "no_running_stats": {"track_running_stats": False},
+    "large_eps": {"eps": 0.5, "momentum": 0.7},
+}
+
+
+def knn_batch_norm(**options) -> nn.Module:
+    """A KNNBatchNorm with BatchNorm1d's ``options`` (fovi's constructor takes none of them),
+    its parameters and running statistics away from their initial values."""
+    layer = fovi_norm.KNNBatchNorm(NODES, CHANNELS, device="cpu")
+    nn.BatchNorm1d.__init__(layer, CHANNELS, **options)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for parameter in layer.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator))
+        if layer.running_mean is not None:
+            layer.running_mean.normal_(generator=generator)
+            layer.running_var.uniform_(0.5, 2.0, generator=generator)
+    return layer
+
+
+def batch_norm_step(layer: nn.Module, x: torch.Tensor, grad_y: torch.Tensor) -> list:
+    """layer(x), then the gradients of x and of each parameter under grad_y."""
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    y = layer(x)
+    y.backward(grad_y.to(y.dtype))
+    return [y.detach(), x.grad] + [p.grad for p in layer.parameters()]
+
+
+def routed_batch_norm(layer: nn.Module) -> nn.Module:
+    model, report = accelerate_with_report(layer)
+    assert model is layer and [entry.name for entry in report.batch_norms] == [""]
+    assert not (report.routed or report.left or report.batch_norms_left)
+    return layer
+
+
+def assert_same_state(layer: nn.Module, reference: nn.Module, tolerance: float) -> None:
+    state, expected = layer.state_dict(), reference.state_dict()
+    assert state.keys() == expected.keys()
+    for name, value in state.items():
+        if value.is_floating_point():
+            assert rel_err(value, expected[name]) <= tolerance, name
+        else:  # num_batches_tracked
+            assert torch.equal(value, expected[name]), name
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("storage", list(STORAGES))
+@pytest.mark.parametrize("options", list(BATCH_NORM_OPTIONS.values()), ids=list(BATCH_NORM_OPTIONS))
+def test_batch_norm_matches_batchnorm1d(options, storage, training):
+    layer = knn_batch_norm(**options).double().train(training)
+    reference = copy.deepcopy(layer)
+    routed_batch_norm(layer)
+    assert_same_state(layer, reference, 0.0)  # routing changes no state
+
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):  # later steps normalise with, and update, what earlier ones tracked
+        x = STORAGES[storage](torch.randn(BATCH, CHANNELS, NODES, dtype=torch.float64,
+                                          generator=generator))
+        # knnconv's convolutions hand back contiguous gradients
+        grad_y = torch.randn(x.shape, dtype=torch.float64, generator=generator)
+        got = batch_norm_step(layer, x, grad_y)
+        assert_close(got, batch_norm_step(reference, x, grad_y))
+        assert_same_state(layer, reference, TOLERANCE)
+        if storage == "channels_last":
+            assert layer.last_backend == "channels_last"
+            assert is_stored_channels_last(got[0])
+        else:
+            assert layer.last_backend == "batch_norm1d"
+            assert got[0].is_contiguous()
+
+
+def test_the_batch_norms_view_is_torchs_channels_last():
+    x = channels_last(torch.randn(BATCH, CHANNELS, NODES))
+    assert x.unsqueeze(-1).is_contiguous(memory_format=torch.channels_last)
+    # What the router hands torch, the strides torch.channels_last gives a fresh tensor: for
+    # x.unsqueeze(-1), whose size-1 dim has stride 1, torch's CPU batch-norm backward
+    # (torch 2.13) returns wrong gradients under a contiguous grad_y.
+    nhwc = x.transpose(1, 2).unsqueeze(2).permute(0, 3, 1, 2)
+    fresh = torch.empty(nhwc.shape).contiguous(memory_format=torch.channels_last)
+    assert nhwc.stride() == fresh.stride() == (NODES * CHANNELS, 1, CHANNELS, CHANNELS)
+    assert torch.equal(nhwc.squeeze(-1), x)
+
+
+@pytest.mark.parametrize("storage", list(STORAGES))
+def test_batch_norm_takes_a_gradient_in_either_storage(storage):
+    layer = routed_batch_norm(knn_batch_norm().double())
+    reference = knn_batch_norm().double()
+    generator = torch.Generator().manual_seed(3)
+    x = channels_last(torch.randn(BATCH, CHANNELS, NODES, dtype=torch.float64,
+                                  generator=generator))
+    grad_y = STORAGES[storage](torch.randn(x.shape, dtype=torch.float64, generator=generator))
+    assert_close(batch_norm_step(layer, x, grad_y), batch_norm_step(reference, x, grad_y))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_norm_in_float32_and_under_bfloat16_autocast(dtype):
+    """In float32, and under CPU autocast on the bfloat16 input a convolution there returns,
+    with float32 parameters and running statistics."""
+    layer = routed_batch_norm(knn_batch_norm())
+    reference = knn_batch_norm()
+    generator = torch.Generator().manual_seed(4)
+    for _ in range(2):
+        x = channels_last(torch.randn(BATCH, CHANNELS, NODES, generator=generator).to(dtype))
+        grad_y = torch.randn(x.shape, generator=generator)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            got = batch_norm_step(layer, x, grad_y)
+            expected = batch_norm_step(reference, x, grad_y)
+        assert layer.last_backend == "channels_last" and is_stored_channels_last(got[0])
+        assert [t.dtype for t in got] == [t.dtype for t in expected] == [dtype, dtype] + [
+            torch.float32] * 2
+        for got_tensor, expected_tensor in zip(got, expected, strict=True):
+            # bfloat16 results may round the other way here and there: within one step
+            bfloat16 = got_tensor.dtype == torch.bfloat16
+            tolerance = torch.finfo(torch.bfloat16).eps if bfloat16 else 1e-5
+            assert rel_err(got_tensor, expected_tensor) < tolerance
+        assert_same_state(layer, reference, 1e-5)
+
+
+def test_batch_norm_gives_an_inplace_relu_no_view_to_rebuild():
+    # on a view of the 4-D output, the in-place ReLU would make the backward rebuild the
+    # gradient through the 4-D base (CopySlices), copying it
+    layer = routed_batch_norm(knn_batch_norm())
+    x = channels_last(torch.randn(BATCH, CHANNELS, NODES)).requires_grad_()
+    y = torch.relu_(layer(x))
+    assert type(y.grad_fn).__name__ == "ReluBackward0"
+    assert is_stored_channels_last(y)
+
+
+@pytest.fixture
+def fresh_compiler():
+    torch.compiler.reset()
+    yield
+    torch.compiler.reset()
+
+
+def test_batch_norm_compiles_without_graph_break(fresh_compiler):
+    eager = nn.Sequential(routed_batch_norm(knn_batch_norm()), nn.ReLU(inplace=True))
+    twin = copy.deepcopy(eager)
+    x = channels_last(torch.randn(BATCH, CHANNELS, NODES))
+
+    explanation = torch._dynamo.explain(copy.deepcopy(eager))(x)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+
+    compiled = torch.compile(twin, fullgraph=True, backend="aot_eager")
+    for batch in (BATCH, BATCH + 2):
+        x = channels_last(torch.randn(batch, CHANNELS, NODES))
+        got = outputs_and_grads(twin, x, compiled)
+        expected = outputs_and_grads(eager, x, eager)
+        for got_tensor, expected_tensor in zip(got, expected, strict=True):
+            assert rel_err(got_tensor, expected_tensor) < 1e-6
+        assert is_stored_channels_last(got[0])
+        assert twin[0].last_backend == "channels_last"
+        assert_same_state(twin, eager, 1e-6)
+
+
+class OwnBatchNormForward(fovi_norm.KNNBatchNorm):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def test_batch_norm_report_and_undo():
+    routed = knn_batch_norm()
+    own = OwnBatchNormForward(NODES, CHANNELS, device="cpu")
+    plain = nn.BatchNorm1d(CHANNELS)
+    model = nn.Sequential(routed, own, plain)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a model with batch norms only warns of no KNN layer
+        with pytest.warns(UserWarning, match="routed 0 fovi KNN layer"):
+            accelerate(model)
+        report = accelerate_with_report(model)[1]  # routing again replaces the route
+    assert [entry.name for entry in report.batch_norms] == ["0"]
+    assert [(entry.name, entry.detail) for entry in report.batch_norms_left] == [
+        ("1", "OwnBatchNormForward overrides forward of fovi's KNNBatchNorm")]
+    assert not report.left
+    assert "1 batch norm(s) keep its channels-last storage, 1 left" in str(report)
+    assert "forward" not in vars(own) and "forward" not in vars(plain)  # plain ones not routed
+
+    x = channels_last(torch.randn(BATCH, CHANNELS, NODES))
+    routed.eval()
+    assert is_stored_channels_last(routed(x))
+    twin = copy.deepcopy(routed)
+    assert twin.forward.layer is twin and is_stored_channels_last(twin(x))
+    del routed.forward  # BatchNorm1d's own forward again
+    assert routed(x).is_contiguous()
+
+
+@pytest.fixture(scope="module")
+def knnresnet():
+    return pytest.importorskip("fovi.models.knnresnet")
+
+
+@pytest.mark.parametrize("out_res", [1, -1], ids=["pooled", "unpooled"])
+def test_resnet_keeps_channels_last_storage_up_to_its_flattening_view(knnresnet, out_res):
+    """fovi's KNNResNet: every batch norm but the one whose output fovi flattens with view
+    keeps the storage, and the model computes what it does with BatchNorm1d's own forward."""
+    torch.manual_seed(0)
+    # in_res 64 leaves 2 nodes after the last stage, so its storages differ
+    model = knnresnet.KNNResNet(layers=[1, 1, 1, 1], in_res=64, fov=16, cmf_a=0.5,
+                                ref_frame_mult=2, field_geometry="legacy", num_classes=4,
+                                out_res=out_res, device="cpu").double()
+    norms = {name: layer for name, layer in model.named_modules()
+             if isinstance(layer, fovi_norm.KNNBatchNorm)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        accelerate(model)
+    report = accelerate_with_report(model)[1]
+    assert [entry.name for entry in report.batch_norms_left] == ["layer4.0.norm2"]
+    assert "view" in report.batch_norms_left[0].detail
+    assert {entry.name for entry in report.batch_norms} == norms.keys() - {"layer4.0.norm2"}
+    assert not report.left
+
+    outputs = {}
+
+    def keep_first_call(name):
+        def hook(layer, inputs, y):
+            outputs.setdefault(name, (inputs[0], y))
+        return hook
+
+    for name, layer in norms.items():
+        layer.register_forward_hook(keep_first_call(name))
+    x = torch.randn(2, 3, len(model.conv1.in_coords), dtype=torch.float64)
+    got = outputs_and_grads(model, x, model)
+    for entry in report.batch_norms:
+        norm_input, y = outputs[entry.name]
+        if not norm_input.is_contiguous():  # channels-last: what knnconv's convolutions give
+            assert norms[entry.name].last_backend == "channels_last"
+            assert is_stored_channels_last(y)
+    last_stage = outputs["layer4.0.norm1"][1]
+    assert last_stage.shape[2] > 1 and is_stored_channels_last(last_stage)
+    assert outputs["layer4.0.norm2"][1].is_contiguous()  # what fovi's view needs
+
+    for layer in report.batch_norms:
+        del model.get_submodule(layer.name).forward
+    assert_close(got, outputs_and_grads(model, x, model))

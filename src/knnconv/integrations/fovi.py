@@ -17,6 +17,17 @@ What is routed, and how:
   [B, N, C*V], which their einsum reads as [B, C, V, N]); the routed layers compute what that
   einsum spells out, the features of ``_apply_local_rf`` read as [B, N, C, V].
 - ``KNNPoolingLayer`` in ``max``, ``avg`` and ``sum`` modes: :class:`knnconv.pool.KNNPool`.
+- ``KNNBatchNorm`` (fovi's BatchNorm1d over [B, C, N]), to keep the storage knnconv's
+  convolutions return, the transposed view of a contiguous [B, N, C], which BatchNorm1d copies
+  to contiguous on CUDA: on that storage, torch's batch norm on the [B, C, N, 1] view, which is
+  torch.channels_last; on any other, the layer's own forward. The report lists them apart
+  (``batch_norms``; ``batch_norms_left``, with the reason, of which accelerate does not warn:
+  such a layer costs a copy, not knnconv's kernels). Where fovi needs the contiguous storage
+  of BatchNorm1d's output (a KNNResNet with a classifier flattens its last block's output,
+  pooled or not, with ``view``), the batch norm that gives it is left as it is. Plain
+  BatchNorm1d layers are not routed: fovi's KNN backbones build each batch norm of theirs as a
+  KNNBatchNorm, and a plain one may sit anywhere, before a consumer that needs contiguous
+  storage.
 
 Left as they are, and named in the report: ``gaussian`` pooling (knnconv's pooling has no such
 mode), ``KNNGetterLayer`` (it returns the neighbourhoods themselves) and any subclass that
@@ -25,9 +36,12 @@ overrides a method of fovi's forward path, whose meaning knnconv cannot know.
 Routed layers compile with ``torch.compile(fullgraph=True)``: what they need besides the
 layer's parameters is built before any call (the plan and the pooling table, when accelerate
 routes the layer; the mask of the nodes whose neighbours are all padding, a buffer fovi builds
-with the layer, applied by fovi's own ``_mask_invalid_outputs``), or is traceable.
+with the layer, applied by fovi's own ``_mask_invalid_outputs``), or is traceable. A batch
+norm with ``momentum=None`` is the exception, as it is in torch: its cumulative average reads
+num_batches_tracked as a Python number, a graph break.
 
-For finite inputs the routed layers give fovi's outputs and gradients. Where fovi differs:
+For finite inputs the routed layers give fovi's outputs and gradients (the batch norms to
+rounding: torch's channels-last kernels sum in another order). Where fovi differs:
 its pooling skips a NaN input as if it were padding (knnconv's propagates it), and its max
 pooling sends the gradient of tied maxima to one of them (knnconv's shares it).
 """
@@ -39,6 +53,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..functional import knn_conv_with_backend
@@ -48,6 +63,7 @@ from ..pool import POOL_MODES, KNNPool
 
 try:
     from fovi.arch import knn as fovi_knn
+    from fovi.arch import norm as fovi_norm
 except ImportError as error:
     raise ImportError(
         "knnconv.integrations.fovi needs fovi and the packages its KNN layers import: "
@@ -92,6 +108,10 @@ class _Router:
     It reads the layer's parameters at every call, so they stay the layer's own, and writes
     the name of the backend that ran to ``layer.last_backend``.
     """
+
+    # The methods the layer's own forward runs through; a subclass that overrides one of them
+    # is left as it is (see _FORWARD_PATH).
+    forward_path: tuple[str, ...] = _FORWARD_PATH
 
     def __init__(self, layer: nn.Module) -> None:
         self.layer = layer
@@ -219,18 +239,76 @@ class _PoolRouter(_Router):
                                 nin=int(layer.knn_pad_token_val), mode=layer.mode)
         except (TypeError, ValueError) as error:
             raise _Unroutable(f"knnconv rejects its table: {error}") from error
-        # on the layer's device now, so that a first call under torch.compile need not move it
-        self.pool.to(layer._knn_output_valid_mask.device)
 
     def describe(self) -> str:
         return f"KNNPool({self.pool.extra_repr()})"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.pool.knn_indices.device != x.device:
-            self.pool.to(x.device)
         y = self.pool(x)
         self.layer.last_backend = self.pool.last_backend
         return y
+
+
+class _BatchNormRouter(_Router):
+    """fovi's KNNBatchNorm on knnconv's channels-last storage.
+
+    knnconv's convolutions return y [B, C, N] as the transposed view of a contiguous
+    [B, N, C]. For BatchNorm1d that is a strided 3-D tensor: on CUDA it copies it to contiguous
+    first, in the forward and in the backward, and its output is contiguous, so the layers
+    after it see another storage. The 4-D view [B, C, N, 1] of such a tensor is
+    torch.channels_last contiguous, for which torch's batch norm has NHWC kernels; the router
+    runs the layer's batch norm on that view, whose output keeps the input's storage. Any
+    other input goes to the layer's own forward.
+
+    The view is taken with the strides torch.channels_last gives a contiguous tensor,
+    (N*C, 1, C, C). ``x.unsqueeze(-1)`` gives its size-1 dim stride 1 instead, and for such an
+    input torch's CPU batch-norm backward (torch 2.13) returns wrong gradients when the
+    incoming gradient is contiguous.
+    """
+
+    forward_path = ("forward", "_check_input_dim")  # torch's _BatchNorm.forward and its check
+    CHANNELS_LAST = "channels_last"  # last_backend: the batch norm ran on the 4-D view
+    OWN_FORWARD = "batch_norm1d"  # last_backend: BatchNorm1d's forward ran
+
+    def __init__(self, layer: nn.Module, backend: str) -> None:
+        super().__init__(layer)  # backend names the convolution backends, not a batch norm's
+
+    def describe(self) -> str:
+        return ("torch's batch norm on the channels_last [B, C, N, 1] view of channels-last "
+                "input, whose storage the output keeps; BatchNorm1d's forward on other input")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        layer = self.layer
+        if x.dim() != 3 or x.is_contiguous() or not x.unsqueeze(-1).is_contiguous(
+                memory_format=torch.channels_last):
+            layer.last_backend = self.OWN_FORWARD
+            return type(layer).forward(layer, x)
+        layer.last_backend = self.CHANNELS_LAST
+        nhwc = x.transpose(1, 2).unsqueeze(2).permute(0, 3, 1, 2)  # [B, C, N, 1]
+        # The [B, C, N] result is no view of the 4-D one for autograd, so fovi's in-place ReLU
+        # on it is a plain in-place op: on a view, the backward would rebuild the gradient
+        # through the 4-D base (three copies), with a stride of its size-1 dim that differs
+        # between eager and compiled graphs, and the CPU kernel rounds each differently. Its
+        # storage is the 4-D output's alone: the batch norm's backward does not keep it.
+        return torch.ops.aten._unsafe_view(self._batch_norm(nhwc), x.shape)
+
+    def _batch_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's batch norm by the rules of BatchNorm1d's forward: batch statistics in
+        training, and in eval where it keeps no running statistics; the running statistics
+        updated in training where it tracks them, by its momentum or, where that is None, as
+        the cumulative average over num_batches_tracked."""
+        layer = self.layer
+        momentum = 0.0 if layer.momentum is None else layer.momentum
+        if layer.training and layer.track_running_stats and layer.num_batches_tracked is not None:
+            layer.num_batches_tracked.add_(1)
+            if layer.momentum is None:
+                momentum = 1.0 / float(layer.num_batches_tracked)
+        batch_statistics = layer.training or (layer.running_mean is None
+                                              and layer.running_var is None)
+        running = not layer.training or layer.track_running_stats
+        return F.batch_norm(x, layer.running_mean if running else None,
+                            layer.running_var if running else None, layer.weight, layer.bias,
+                            batch_statistics, momentum, layer.eps)
 
 
 def _routers() -> dict[type, type[_Router]]:
@@ -240,6 +318,7 @@ def _routers() -> dict[type, type[_Router]]:
         fovi_knn.KNNDepthwiseConvLayer: _DepthwiseRouter,
         fovi_knn.KNNDepthwiseSeparableConvLayer: _DepthwiseSeparableRouter,
         fovi_knn.KNNPoolingLayer: _PoolRouter,
+        fovi_norm.KNNBatchNorm: _BatchNormRouter,
     }
     # fovi's ViT module imports transformers; a model that holds one of its patch embeddings
     # has imported it already, so only a loaded module is looked at.
@@ -254,7 +333,7 @@ def _router_class(layer: nn.Module, routers: dict[type, type[_Router]]) -> type[
     fovi_class = next((c for c in layer_class.__mro__ if c in routers), None)
     if fovi_class is None:
         raise _Unroutable(f"knnconv has no counterpart of fovi's {layer_class.__name__}")
-    overridden = [name for name in _FORWARD_PATH
+    overridden = [name for name in routers[fovi_class].forward_path
                   if getattr(layer_class, name, None) is not getattr(fovi_class, name, None)]
     if overridden:
         raise _Unroutable(f"{layer_class.__name__} overrides {', '.join(overridden)} of fovi's "
@@ -263,6 +342,28 @@ def _router_class(layer: nn.Module, routers: dict[type, type[_Router]]) -> type[
     if own_forward is not None and not isinstance(own_forward, _Router):
         raise _Unroutable("the layer already has a forward of its own, set on the instance")
     return routers[fovi_class]
+
+
+def _batch_norms_flattened_by_view(model: nn.Module) -> set[nn.Module]:
+    """The KNNBatchNorm layers whose output fovi flattens with ``view``, which needs it in the
+    contiguous storage of BatchNorm1d's own forward.
+
+    fovi's KNNResNet with a classifier views the output of its last block, or of the output
+    pooling after it, which keeps its input's storage; that block computes relu(last norm +
+    identity), whose in-place add and ReLU keep the storage of the last norm's output. Of a
+    block of another class, whose forward this module cannot know, every batch norm is taken.
+    """
+    knnresnet = sys.modules.get("fovi.models.knnresnet")  # loaded by a model that holds one
+    if knnresnet is None:
+        return set()
+    last_norms = {knnresnet.KNNResNetBasicBlock: "norm2", knnresnet.KNNResNetBottleneck: "norm3"}
+    flattened = set()
+    for resnet in model.modules():
+        if isinstance(resnet, knnresnet.KNNResNet) and resnet.num_classes is not None:
+            block = resnet.layer4[-1]
+            last_norm = last_norms.get(type(block))
+            flattened.update([getattr(block, last_norm)] if last_norm else block.modules())
+    return flattened
 
 
 @dataclass(frozen=True)
@@ -283,12 +384,20 @@ class AccelerationReport:
 
     routed: list[LayerReport] = field(default_factory=list)
     left: list[LayerReport] = field(default_factory=list)
+    # fovi's KNNBatchNorm layers, which now keep knnconv's channels-last storage, and those
+    # left as they are, of which accelerate does not warn: they cost a copy, not knnconv's
+    # kernels
+    batch_norms: list[LayerReport] = field(default_factory=list)
+    batch_norms_left: list[LayerReport] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"knnconv routed {len(self.routed)} fovi KNN layer(s) and left "
-                 f"{len(self.left)} as they are"]
+                 f"{len(self.left)} as they are; {len(self.batch_norms)} batch norm(s) keep "
+                 f"its channels-last storage, {len(self.batch_norms_left)} left as they are"]
         lines += [f"  routed: {entry}" for entry in self.routed]
         lines += [f"  left: {entry}" for entry in self.left]
+        lines += [f"  batch norm: {entry}" for entry in self.batch_norms]
+        lines += [f"  batch norm left: {entry}" for entry in self.batch_norms_left]
         return "\n".join(lines)
 
 
@@ -298,18 +407,25 @@ def accelerate_with_report(model: nn.Module,
     if backend != "auto":
         get_ops(backend)  # an unknown name raises here, before any layer has changed
     routers = _routers()
+    flattened_by_view = _batch_norms_flattened_by_view(model)
     report = AccelerationReport()
     for name, layer in model.named_modules():
-        if not isinstance(layer, fovi_knn.KNNBaseLayer):
+        if not isinstance(layer, (fovi_knn.KNNBaseLayer, fovi_norm.KNNBatchNorm)):
             continue
         try:
+            if layer in flattened_by_view:
+                raise _Unroutable("fovi flattens its output with view, which needs the "
+                                  "contiguous storage of its own forward")
             router = _router_class(layer, routers)(layer, backend)
         except _Unroutable as why:
-            report.left.append(LayerReport(name, type(layer).__name__, str(why)))
+            left = (report.batch_norms_left if isinstance(layer, fovi_norm.KNNBatchNorm)
+                    else report.left)
+            left.append(LayerReport(name, type(layer).__name__, str(why)))
             continue
         layer.forward = router
         layer.last_backend = None
-        report.routed.append(LayerReport(name, type(layer).__name__, router.describe()))
+        routed = report.batch_norms if isinstance(router, _BatchNormRouter) else report.routed
+        routed.append(LayerReport(name, type(layer).__name__, router.describe()))
     return model, report
 
 
@@ -318,7 +434,8 @@ def accelerate(model: nn.Module, backend: str = "auto") -> nn.Module:
 
     Each routed layer stays the same object, with the same class, attributes, parameters and
     state_dict; it gets a new ``forward`` (an instance attribute: ``del layer.forward`` gives
-    fovi's back) and ``last_backend``, the name of the backend that ran its last call.
+    fovi's back) and ``last_backend``, the name of the backend that ran its last call (of a
+    batch norm: ``"channels_last"`` or ``"batch_norm1d"``, its own forward).
     ``backend`` is knnconv's (see :func:`knnconv.knn_conv`). Layers that cannot be routed are
     left as they are, and a warning lists them with the reason; so does a model with no fovi
     KNN layer. :func:`accelerate_with_report` returns the report instead.

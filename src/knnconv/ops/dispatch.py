@@ -1,11 +1,12 @@
-"""The dispatcher: which backend serves a call, for ``backend="auto"`` (the measured choice
-when autotuning is on, else the policy below) or a named backend, which never falls back."""
+"""The dispatcher of every KNN op: which backend serves a call, for ``backend="auto"`` (the
+measured choice when autotuning is on, else the policy below) or a named backend, which never
+falls back."""
 
 from __future__ import annotations
 
 import torch
 
-from ..plan import KNNConvPlan
+from ..plan import GeometryPlan, KNNConvPlan
 from . import autotune
 from .registry import KNNConvOps, available_backends, get_ops
 
@@ -17,11 +18,12 @@ from .registry import KNNConvOps, available_backends, get_ops
 BINNED_ANY_CELLS_MAX_BATCH = 8
 
 
-def torch_policy(plan: KNNConvPlan, device: torch.device, batch) -> str:
-    """The torch backend auto takes: torch_binned on the CPU where it is the faster one (see
-    BINNED_ANY_CELLS_MAX_BATCH), else torch_compact. ``batch``: an int, or None / a symbolic
-    size under torch.compile, where only the V <= K rule applies."""
-    if device.type != "cpu":
+def torch_policy(plan: GeometryPlan, device: torch.device, batch) -> str:
+    """The torch backend auto takes: for a convolution, torch_binned on the CPU where it is the
+    faster one (see BINNED_ANY_CELLS_MAX_BATCH), else torch_compact; the torch backends share
+    one implementation of the neighbourhood ops. ``batch``: an int, or None / a symbolic size
+    under torch.compile, where only the V <= K rule applies."""
+    if device.type != "cpu" or not isinstance(plan, KNNConvPlan):
         return "torch_compact"
     if plan.v <= plan.k:
         return "torch_binned"
@@ -29,18 +31,18 @@ def torch_policy(plan: KNNConvPlan, device: torch.device, batch) -> str:
     return "torch_binned" if small else "torch_compact"
 
 
-def resolve_backend(name: str, plan: KNNConvPlan, device: torch.device, dtype: torch.dtype,
+def resolve_backend(name: str, plan: GeometryPlan, device: torch.device, dtype: torch.dtype,
                     batch: int | None = None, *, backward: bool = True) -> KNNConvOps:
     """The backend that will serve a call: ``name`` itself, or the auto policy's choice.
 
     An explicitly named backend that cannot serve the call raises; it never falls back.
-    Auto takes the measured choice for the call's cell when autotuning is on (see
+    Auto takes the measured choice for a convolution's cell when autotuning is on (see
     knnconv.ops.autotune; ``batch`` is needed for it), else picks the native CUDA backend for
     CUDA tensors it supports, else the torch backend of :func:`torch_policy`. ``backward``:
     whether the call's gradients will be computed (see KNNConvOps.unsupported_reason).
     """
     if name == "auto":
-        if batch is not None:
+        if batch is not None and isinstance(plan, KNNConvPlan):
             tuned = autotune.choose(plan, batch, device, dtype)
             if tuned is not None:
                 return get_ops(tuned)

@@ -17,9 +17,10 @@ import torch.nn.functional as F
 
 from ..plan import KNNConvPlan
 from .registry import KNNConvOps, accumulation_dtype
+from .torch_neighbourhood import TorchNeighbourhoodOps
 
 
-class ReferenceOps(KNNConvOps):
+class ReferenceOps(TorchNeighbourhoodOps, KNNConvOps):
     name = "reference"
     float32_bias = True
 

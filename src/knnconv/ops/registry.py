@@ -1,21 +1,41 @@
 """The one interface every backend implements, and the registry of backends.
 
-A backend computes in the dtype it is handed (the autograd layer has already applied autocast).
-Its grad_input, grad_weight and backward_combined return gradients accumulated in float32
-(float64 for float64 inputs); ``gradients`` returns each one in the dtype the autograd layer
-asks for (``dtypes``: those of x, weight and bias), so fp32 master weights get fp32 gradients.
+The interface covers every KNN op: the convolution on a KNNConvPlan, and the per-channel
+neighbourhood ops (pooling, depthwise convolution) on a NeighbourhoodPlan. A backend computes
+in the dtype it is handed (the autograd layer has already applied autocast). Its grad_input,
+grad_weight and backward_combined return gradients accumulated in float32 (float64 for float64
+inputs); ``gradients`` and ``depthwise_gradients`` return each one in the dtype the autograd
+layer asks for (``dtypes``: those of x, weight and bias), so fp32 master weights get fp32
+gradients.
+
+Storage: a [B, C, N] activation is either contiguous or "channels-last", the transposed view
+of a contiguous [B, N, C] buffer, which is what the convolution returns. Pooling keeps its
+input's storage, and its dx takes the storage of x.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..plan import KNNConvPlan
+from ..plan import GeometryPlan, KNNConvPlan, NeighbourhoodPlan
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """What gradients accumulate in: float64 for float64 inputs, float32 for the rest."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def is_channels_last(t: torch.Tensor) -> bool:
+    """Whether a [B, C, N] tensor is the transposed view of a contiguous [B, N, C] buffer and
+    not also contiguous (with C or N of 1 the two storages are one memory order)."""
+    return not t.is_contiguous() and t.transpose(1, 2).is_contiguous()
+
+
+def in_storage(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """t [B, C, N] in channels-last storage or contiguous, copied only where it is not."""
+    if channels_last:
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    return t.contiguous()
 
 
 class KNNConvOps:
@@ -25,12 +45,17 @@ class KNNConvOps:
     # True when forward accepts a float32 bias whatever the compute dtype (and adds it in
     # float32), sparing the autograd layer a cast under autocast.
     float32_bias: bool = False
+    # True when the backend implements the neighbourhood ops (pool_*, depthwise_*).
+    serves_neighbourhood: bool = False
 
-    def unsupported_reason(self, plan: KNNConvPlan, device: torch.device, dtype: torch.dtype,
+    def unsupported_reason(self, plan: GeometryPlan, device: torch.device, dtype: torch.dtype,
                            *, backward: bool = True) -> str | None:
         """Why this backend cannot compute this plan on ``device`` in ``dtype`` (None if it can);
         ``backward``: whether the call's gradients will be computed (a forward-only call is
-        not refused for what only the backward does)."""
+        not refused for what only the backward does; for a depthwise convolution, whether its
+        weight gradient will be). Subclasses extend this one."""
+        if isinstance(plan, NeighbourhoodPlan) and not self.serves_neighbourhood:
+            return "does not implement the pooling and depthwise ops"
         return None
 
     def forward(self, plan: KNNConvPlan, x: torch.Tensor, weight: torch.Tensor,
@@ -75,12 +100,15 @@ class KNNConvOps:
         return self.grad_input(plan, grad_y, weight), self.grad_weight(plan, grad_y, x)
 
     def gradients(self, plan: KNNConvPlan, grad_y: torch.Tensor, x, weight: torch.Tensor | None,
-                  needs: tuple[bool, bool, bool], dtypes: tuple) -> tuple:
+                  needs: tuple[bool, bool, bool], dtypes: tuple, *,
+                  dx_channels_last: bool = False) -> tuple:
         """(grad_x, grad_weight, grad_bias), None where ``needs`` says not needed, each in its
         dtype from ``dtypes`` (x's, weight's, bias's), accumulated in at least float32.
 
-        grad_y and weight are in the compute dtype, x as forward_saving returned it. Backends
-        override this to fuse the conversions and the bias reduction into their own launches.
+        grad_y and weight are in the compute dtype, x as forward_saving returned it. grad_x is
+        in channels-last storage when ``dx_channels_last`` (the forward's x was), else
+        contiguous. Backends override this to fuse the conversions, the bias reduction and
+        dx's storage into their own launches.
         """
         need_x, need_w, need_b = needs
         grad_x = grad_w = grad_b = None
@@ -93,9 +121,37 @@ class KNNConvOps:
         if need_b:
             grad_b = grad_y.sum(dim=(0, 2), dtype=accumulation_dtype(grad_y.dtype))
             grad_b = grad_b.to(dtypes[2])
-        grad_x = grad_x.to(dtypes[0]).contiguous() if need_x else None
+        grad_x = in_storage(grad_x.to(dtypes[0]), dx_channels_last) if need_x else None
         grad_w = grad_w.to(dtypes[1]).contiguous() if need_w else None
         return grad_x, grad_w, grad_b
+
+    # The neighbourhood ops, on a NeighbourhoodPlan; x and grad_y [B, C, N] in either storage.
+    def pool_forward(self, plan: NeighbourhoodPlan, x: torch.Tensor, mode: str):
+        """(y [B, C, Nout] in x's dtype and storage, ties): ties, for the backward of a max,
+        is a tensor of y's shape and storage in :meth:`pool_ties_dtype`, or None."""
+        raise NotImplementedError
+
+    def pool_ties_dtype(self, mode: str) -> torch.dtype | None:
+        """The dtype of pool_forward's ties in ``mode`` (None when it returns none)."""
+        raise NotImplementedError
+
+    def pool_backward(self, plan: NeighbourhoodPlan, grad_y: torch.Tensor, x, y, ties,
+                      mode: str, channels_last: bool) -> torch.Tensor:
+        """dx [B, C, Nin] in grad_y's dtype (x's), channels-last storage when
+        ``channels_last``; x, y and ties (pool_forward's) are given in max mode only."""
+        raise NotImplementedError
+
+    def depthwise_forward(self, plan: NeighbourhoodPlan, x: torch.Tensor, weight: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+        """y [B, C, Nout] in x's dtype; weight [C, V] in x's dtype, bias [C] in x's dtype or, if
+        float32_bias, float32."""
+        raise NotImplementedError
+
+    def depthwise_gradients(self, plan: NeighbourhoodPlan, grad_y: torch.Tensor, x, weight,
+                            needs: tuple[bool, bool, bool], dtypes: tuple) -> tuple:
+        """(grad_x, grad_weight, grad_bias) as :meth:`gradients` returns them; x is given when
+        the weight gradient is needed, weight when dx is."""
+        raise NotImplementedError
 
     def __repr__(self) -> str:
         return f"<knnconv ops {self.name!r}>"

@@ -27,6 +27,7 @@ from .torch_common import (
     node_chunks,
     padded_flat_input,
 )
+from .torch_neighbourhood import TorchNeighbourhoodOps
 
 
 def bin_sources(knn_indices: torch.Tensor, rf_index: torch.Tensor, cin: int, nin: int,
@@ -83,7 +84,7 @@ class BinTables:
         return self.extra_position[low:high] - offset, self.extra_address[low:high]
 
 
-class TorchBinnedOps(KNNConvOps):
+class TorchBinnedOps(TorchNeighbourhoodOps, KNNConvOps):
     name = "torch_binned"
     float32_bias = True
 

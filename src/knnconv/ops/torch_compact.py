@@ -20,9 +20,10 @@ from .torch_common import (
     node_chunks,
     padded_flat_input,
 )
+from .torch_neighbourhood import TorchNeighbourhoodOps
 
 
-class TorchCompactOps(KNNConvOps):
+class TorchCompactOps(TorchNeighbourhoodOps, KNNConvOps):
     name = "torch_compact"
     float32_bias = True
 

@@ -24,7 +24,7 @@ from knnconv.ops.cuda.build import (
     transpose_name,
 )
 from knnconv.ops.cuda.configs import FAMILIES, KernelConfig, _rules, check_config
-from knnconv.ops.cuda.neighbourhood import POOL_MODE_CODES
+from knnconv.ops.cuda.neighbourhood import POOL_MODE_CODES, channel_vectors
 
 ARCHITECTURES = ("sm_80", "sm_90", "sm_120")
 NVCC = shutil.which("nvcc")
@@ -47,6 +47,10 @@ def default_instantiations() -> list[str]:
                      for mode in POOL_MODE_CODES.values())
         names.update(neighbourhood_name("knn_pool_backward", dtype, mode=mode)
                      for mode in POOL_MODE_CODES.values())
+        names.update(neighbourhood_name(f"knn_pool_{direction}_channels_last", dtype, mode=mode,
+                                        vector=vector)
+                     for direction in ("forward", "backward")
+                     for mode in POOL_MODE_CODES.values() for vector in channel_vectors(dtype))
         names.add(neighbourhood_name("knn_depthwise_forward", dtype))
         names.add(neighbourhood_name("knn_depthwise_grad_weight", dtype))
         names.update(neighbourhood_name("knn_depthwise_grad_input", dtype, grad)

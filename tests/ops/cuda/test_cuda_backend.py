@@ -593,3 +593,81 @@ def test_a_kept_relayout_has_the_shape_compile_allocates_for_it(nout, batch):
     ops = knn_cuda.CudaOps()
     saved = ops.forward_saving(plan, x, weight, None)[1]
     assert tuple(saved.xt.shape) == ops.saved_layout(plan, batch, torch.float16)
+
+
+def channels_last(t: torch.Tensor) -> torch.Tensor:
+    """t [B, C, N] as the view of a contiguous [B, N, C] buffer (as the kernels return y)."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch", (1, 17, 129))
+@pytest.mark.parametrize("cin", (1, 3, 8, 70))
+@pytest.mark.parametrize("cout", (64, 70))
+def test_a_channels_last_x_gives_the_contiguous_results_and_a_channels_last_dx(dtype, batch,
+                                                                              cin, cout):
+    plan, x, weight, bias, grad_y = make_case(batch * 1000 + cin * 10 + cout % 7, batch=batch,
+                                              cin=cin, cout=cout, dtype=dtype, nin=40, nout=23,
+                                              k=9, padding=0.15)
+    y_ref, dx_ref, dw_ref = reference(plan, x, weight, bias, grad_y)
+    ops = knn_cuda.CudaOps()
+    needs, dtypes = (True, True, True), (dtype, torch.float32, torch.float32)
+    # channels-last first: every kernel's first use (NaN-poisoned, checked) is on it
+    x_last, grad_last = channels_last(x), channels_last(grad_y)
+    y_last, saved_last = ops.forward_saving(plan, x_last, weight, bias)
+    from_saved = ops.gradients(plan, grad_last, saved_last, weight, needs, dtypes,
+                               dx_channels_last=True)
+    # handed x itself (no kept re-layout), the backward re-lays the channels-last x out
+    from_x = ops.gradients(plan, grad_last, x_last, weight, needs, dtypes, dx_channels_last=True)
+    y, saved = ops.forward_saving(plan, x, weight, bias)
+    dx, dw, db = ops.gradients(plan, grad_y, saved, weight, needs, dtypes)
+
+    assert torch.equal(saved_last.xt, saved.xt)  # batch padding and zero row included
+    assert torch.equal(saved_last.original(), x)
+    assert torch.equal(y_last, y)
+    assert rel_err(y, y_ref) < FORWARD_TOLERANCE[dtype]
+    assert dx.is_contiguous()
+    assert rel_err(dx, dx_ref) < FORWARD_TOLERANCE[dtype]
+    assert rel_err(dw, dw_ref) < GRAD_TOLERANCE
+    assert rel_err(db, grad_y.double().sum((0, 2))) < GRAD_TOLERANCE
+    gathered = configs.default_grad_input_algorithm(cin) == "gather"
+    for dx_last, dw_last, db_last in (from_saved, from_x):
+        assert dx_last.dtype == dtype and dx_last.transpose(1, 2).is_contiguous()
+        if cin > 1:
+            assert dx_last.stride() == (cin * plan.nin, 1, cin)
+        if gathered:  # written once per element from the same sums
+            assert torch.equal(dx_last, dx)
+        else:  # summed by atomics in another order
+            assert rel_err(dx_last, dx) < GRAD_TOLERANCE
+        assert rel_err(dw_last, dw) < GRAD_TOLERANCE
+        assert rel_err(db_last, db) < GRAD_TOLERANCE
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("algorithm", ("gather", "scatter"))
+@pytest.mark.parametrize("batch,cin,nin", [
+    (17, 3, 40), (129, 70, 40), (1, 8, 40),
+    (3, 3, 65_541)])  # more input nodes than a grid has CTA layers
+def test_either_dx_algorithm_writes_all_of_a_channels_last_dx(dtype, algorithm, batch, cin,
+                                                              nin):
+    plan, x, weight, bias, grad_y = make_case(batch + cin + nin, batch=batch, cin=cin, cout=70,
+                                              dtype=dtype, nin=nin, nout=23, k=9, padding=0.15)
+    tables = plan.on(DEVICE)
+    il, wl = tables.input_linear, tables.weight_linear
+    reverse = knn_cuda.reverse_tables(tables.knn_indices, tables.rf_index, plan.nin)
+    y_ref, dx_ref, dw_ref = reference(plan, x, weight, bias, grad_y)
+    y, saved = knn_cuda.forward(channels_last(x), weight, bias, il, wl, poison_output=True,
+                                return_transposed=True)
+    assert torch.equal(saved.original(), x)
+    assert rel_err(y, y_ref) < FORWARD_TOLERANCE[dtype]
+    dx_last, dw_last = knn_cuda.backward(channels_last(grad_y), saved, weight, il, wl, reverse,
+                                         cin, nin, plan.q, input_algorithm=algorithm,
+                                         poison_outputs=True, dx_channels_last=True)
+    dx, dw = knn_cuda.backward(grad_y, x, weight, il, wl, reverse, cin, nin, plan.q,
+                               input_algorithm=algorithm, poison_outputs=True)
+    assert dx_last.transpose(1, 2).is_contiguous() and dx_last.stride(1) == 1
+    assert dx.is_contiguous()
+    for value, expected in ((dx_last, dx_ref), (dx, dx_ref), (dw_last, dw_ref), (dw, dw_ref)):
+        assert rel_err(value, expected) < GRAD_TOLERANCE  # NaN (an unwritten entry) fails
+    if algorithm == "gather":
+        assert torch.equal(dx_last, dx)

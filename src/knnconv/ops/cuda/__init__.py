@@ -14,9 +14,10 @@ from collections import OrderedDict
 
 import torch
 
-from ...plan import KNNConvPlan
-from ..registry import KNNConvOps
+from ...plan import GeometryPlan, KNNConvPlan, NeighbourhoodPlan
+from ..registry import KNNConvOps, in_storage, is_channels_last
 from ..torch_compact import TorchCompactOps
+from . import neighbourhood
 from .build import (
     MIN_COMPUTE_CAPABILITY,
     clear_modules,
@@ -129,13 +130,30 @@ class CudaOps(KNNConvOps):
         index = device.index if device.index is not None else torch.cuda.current_device()
         return self.device_reason(index)
 
-    def unsupported_reason(self, plan: KNNConvPlan, device: torch.device, dtype: torch.dtype,
+    def unsupported_reason(self, plan: GeometryPlan, device: torch.device, dtype: torch.dtype,
                            *, backward: bool = True) -> str | None:
+        if isinstance(plan, NeighbourhoodPlan):
+            return self._neighbourhood_reason(plan, device, dtype, backward)
         if device.type == "cuda" and dtype not in COMPUTE_DTYPES:
             return (f"computes in float16/bfloat16, got {dtype} (use torch.autocast, or "
                     "backend='torch_compact' / 'auto' for float32)")
         # the forward writes each output once; only the backward accumulates with atomics
         return self.call_reason(device, atomics=backward, alternative="torch_compact")
+
+    def _neighbourhood_reason(self, plan: NeighbourhoodPlan, device: torch.device,
+                              dtype: torch.dtype, backward: bool) -> str | None:
+        if plan.v is not None and plan.v > neighbourhood.MAX_NATIVE_CELLS:
+            return (f"has V = {plan.v} kernel cells; its weight gradient holds at most "
+                    f"{neighbourhood.MAX_NATIVE_CELLS} in shared memory")
+        if plan.v is None and plan.k > neighbourhood.MAX_TIED_NEIGHBOURS:
+            return (f"has K = {plan.k} neighbours; its max counts tied maxima in "
+                    f"{neighbourhood.TIES_DTYPE}, which holds at most "
+                    f"{neighbourhood.MAX_TIED_NEIGHBOURS}")
+        if device.type == "cuda" and dtype not in neighbourhood.NATIVE_DTYPES:
+            return f"computes in float16/bfloat16/float32, got {dtype}"
+        # only a depthwise weight gradient accumulates with atomics
+        return self.call_reason(device, atomics=backward and plan.v is not None,
+                                alternative="torch_compact")
 
     def _first_use(self, key: tuple) -> bool:
         if key in self._verified:
@@ -202,19 +220,24 @@ class CudaOps(KNNConvOps):
     def saved_input(self, saved, plan, batch):
         return TransposedInput(saved, batch, plan.cin, plan.nin)
 
-    def gradients(self, plan, grad_y, x, weight, needs, dtypes):
+    def gradients(self, plan, grad_y, x, weight, needs, dtypes, *,
+                  dx_channels_last: bool = False):
+        """dx_channels_last: dx in channels-last storage (the [B, Cin, Nin] view of a
+        contiguous [B, Nin, Cin] buffer), as a channels-last x is stored."""
         device, batch = grad_y.device, grad_y.shape[0]
         need_input, need_weight, need_bias = needs
         grad_dtypes = tuple(torch.float32 if d is None else d for d in dtypes)
         # a kept re-layout of x is reused only if the backward pads the batch as it is padded
         padding = x.bpad if isinstance(x, TransposedInput) else None
         launch = self._launch_plan(
-            plan, device, ("backward", batch, grad_y.dtype, needs, grad_dtypes, padding),
+            plan, device,
+            ("backward", batch, grad_y.dtype, needs, grad_dtypes, padding, dx_channels_last),
             lambda: BackwardLaunch(batch=batch, cin=plan.cin, nin=plan.nin, cout=plan.cout,
                                    nout=plan.nout, q=plan.q, p64=plan.p64, dtype=grad_y.dtype,
                                    device=device, need_input=need_input,
                                    need_weight=need_weight, need_bias=need_bias,
-                                   grad_dtypes=grad_dtypes, batch_padding=padding))
+                                   grad_dtypes=grad_dtypes, batch_padding=padding,
+                                   dx_channels_last=dx_channels_last))
         keys = launch.kernel_keys
         first = {role for role, key in keys.items() if self._first_use(key)}
         tables = plan.on(device)
@@ -245,6 +268,53 @@ class CudaOps(KNNConvOps):
     def backward_combined(self, plan, grad_y, x, weight):
         return self.gradients(plan, grad_y, x, weight, (True, True, False),
                               (torch.float32,) * 3)[:2]
+
+    # The neighbourhood ops, on the kernels of knn_neighbourhood.cuh: every dx is a gather over
+    # the reversed graph (deterministic); the depthwise dW sums per block and adds with fp32
+    # atomics, its bias gradient is a torch sum.
+    serves_neighbourhood = True
+
+    @staticmethod
+    def neighbourhood_tables(plan: NeighbourhoodPlan,
+                             device: torch.device) -> neighbourhood.NativeTables:
+        return plan.derived(device, "cuda.neighbourhood", lambda tables: (
+            neighbourhood.native_tables(tables.knn_indices, tables.slot_cells, plan.nin)))
+
+    def pool_forward(self, plan, x, mode):
+        tables = self.neighbourhood_tables(plan, x.device)
+        y, ties = neighbourhood.pool_forward(x, tables.knn, plan.nin, mode)
+        channels_last = is_channels_last(x)  # the contract, whatever storage the kernel took
+        return in_storage(y, channels_last), None if ties is None else in_storage(
+            ties, channels_last)
+
+    def pool_ties_dtype(self, mode):
+        return neighbourhood.TIES_DTYPE if mode == "max" else None
+
+    def pool_backward(self, plan, grad_y, x, y, ties, mode, channels_last):
+        tables = self.neighbourhood_tables(plan, grad_y.device)
+        return neighbourhood.pool_backward(grad_y, x, y, ties, tables.scale, tables.reverse,
+                                           mode, plan.nin, channels_last=channels_last)
+
+    def depthwise_forward(self, plan, x, weight, bias):
+        tables = self.neighbourhood_tables(plan, x.device)
+        bias = None if bias is None else bias.to(x.dtype).contiguous()
+        return neighbourhood.depthwise_forward(x.contiguous(), weight.contiguous(), bias,
+                                               tables.knn, tables.cells, plan.nin)
+
+    def depthwise_gradients(self, plan, grad_y, x, weight, needs, dtypes):
+        tables = self.neighbourhood_tables(plan, grad_y.device)
+        need_x, need_w, need_b = needs
+        grad_y = grad_y.contiguous()
+        grad_x = grad_w = grad_b = None
+        if need_x:
+            grad_x = neighbourhood.depthwise_grad_input(grad_y, weight.contiguous(),
+                                                        tables.reverse, plan.nin, dtypes[0])
+        if need_w:
+            grad_w = neighbourhood.depthwise_grad_weight(x.contiguous(), grad_y, tables.knn,
+                                                         tables.cells, plan.v).to(dtypes[1])
+        if need_b:
+            grad_b = grad_y.sum(dim=(0, 2), dtype=torch.float32).to(dtypes[2])
+        return grad_x, grad_w, grad_b
 
 
 def clear_kernel_cache() -> None:

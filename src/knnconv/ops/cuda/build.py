@@ -150,13 +150,16 @@ def kernel_code() -> str:
 
 
 def neighbourhood_name(kernel: str, dtype: torch.dtype, grad_dtype: torch.dtype | None = None,
-                       mode: int | None = None) -> str:
-    """The NVRTC name expression of a pooling / depthwise kernel (knn_neighbourhood.cuh)."""
+                       mode: int | None = None, vector: int | None = None) -> str:
+    """The NVRTC name expression of a pooling / depthwise kernel (knn_neighbourhood.cuh).
+    ``vector``: the channels a channels-last pooling kernel moves per load."""
     arguments = [SCALAR_TYPES[dtype]]
     if grad_dtype is not None:
         arguments.append(SCALAR_TYPES[grad_dtype])
     if mode is not None:
         arguments.append(str(mode))
+    if vector is not None:
+        arguments.append(str(vector))
     return f"knnconv::{kernel}<{', '.join(arguments)}>"
 
 

@@ -7,8 +7,9 @@ per layer and batch, so a call costs little more than its launches. Kernel argum
 cuLaunchKernel (through CuPy's driver binding) as raw device pointers and integers, skipping
 DLPack export and CuPy's argument handling, so torch dtypes CuPy lacks (bfloat16) pass
 untouched. Every re-layout is one launch (transpose, dtype conversion and zero padding fused:
-transpose_pad, or transpose_pairs where strides allow two-element accesses). Everything runs
-on PyTorch's current stream of the tensors' device.
+transpose_pad, or transpose_pairs where strides allow two-element accesses); a channels-last
+x's re-layout also takes a memset of xt's zero row. Everything runs on PyTorch's current
+stream of the tensors' device.
 """
 
 from __future__ import annotations
@@ -279,6 +280,12 @@ class TransposedInput:
 class _InputLayout:
     """x [B, Cin, Nin] -> TransposedInput with a given padded batch and dtype.
 
+    x whose channel and node axes are contiguous takes one transpose of its [B, Cin*Nin]
+    rows. x with channels fastest (channels-last storage, as a KNN convolution returns y)
+    takes one transpose per input node, read along its channels, and a memset of the zero
+    row, where x's storage can differ from contiguous storage (Cin > 1, Nin > 1) and the
+    grid holds a CTA layer per node; any other x is made contiguous first.
+
     ``spare_bytes``: extra room allocated behind xt (256-byte aligned) for a caller's
     temporary, so the call allocates once; its address is ``spare_address(xt)``.
     """
@@ -288,18 +295,30 @@ class _InputLayout:
         rows = cin * nin
         self.shape, self.dtype = (rows + 1, bpad), dtype
         self.batch, self.cin, self.nin = batch, cin, nin
+        self.device_index = device_index
         item = dtype.itemsize
         self.spare_offset = _round_up((rows + 1) * bpad * item, 256)
         self.storage_rows = (-(-(self.spare_offset + spare_bytes) // (bpad * item))
                              if spare_bytes else 0)
         self.transpose = _Transpose(src_dtype, dtype, device_index, (1, batch, rows),
                                     (1, bpad, rows + 1), (0, bpad))
+        # xt[c*Nin + m, b] = x[b, c, m] as dst[m, c, b] = src[m, b, c]: rows c*Nin + m only,
+        # so the zero row is written apart
+        self.by_node = (_Transpose(src_dtype, dtype, device_index, (nin, batch, cin),
+                                   (nin, bpad, cin), (bpad, nin * bpad))
+                        if cin > 1 and 1 < nin <= MAX_GRID_YZ else None)
+        self.zero_row_offset, self.zero_row_bytes = rows * bpad * item, bpad * item
 
     def write(self, x, address: int) -> None:
         """Re-lay out x (a tensor or another TransposedInput) into ``address``."""
         if isinstance(x, TransposedInput):
             x = x.original()
-        if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        batch_stride, channel_stride, node_stride = x.stride()
+        if channel_stride == 1 and self.by_node is not None:
+            self.by_node(x, address, (node_stride, batch_stride, channel_stride))
+            _zero(address + self.zero_row_offset, self.zero_row_bytes, self.device_index)
+            return
+        if node_stride != 1 or channel_stride != x.shape[2]:
             x = x.contiguous()
         self.transpose(x, address, (0, x.stride(0), 1))
 
@@ -472,6 +491,24 @@ def checked_ksplit(ksplit, k_tiles: int, batch: int, bk: int) -> int:
     return ksplit
 
 
+def _dx_restore_geometry(gathered: bool, channels_last: bool, batch: int, cin: int, nin: int,
+                         bpad: int):
+    """(extents, dst strides, staging strides) of the transpose (see :class:`_Transpose`) that
+    restores dx [B, Cin, Nin], contiguous or in channels-last storage, from its staging:
+    [B, Nin, Cin] where gathered, [Cin*Nin, bpad] (batch fastest) where scattered."""
+    rows = cin * nin
+    if gathered and channels_last:  # the staging is laid out as dx: one flat row per batch row
+        return (batch, rows, 1), (rows, 0), (rows, 1, 0)
+    if gathered:
+        return (batch, nin, cin), (rows, nin), (rows, cin, 1)
+    if not channels_last:
+        return (1, rows, batch), (0, rows), (0, bpad, 1)
+    if nin <= MAX_GRID_YZ:  # a CTA layer per node: read along the batch, written along channels
+        return (nin, cin, batch), (cin, rows), (bpad, nin * bpad, 1)
+    # more nodes than the grid has layers: a layer per batch row, read along nodes
+    return (batch, cin, nin), (rows, cin), (1, nin * bpad, bpad)
+
+
 class BackwardLaunch:
     """The backward of one (layer sizes, batch, dtypes, device, needed gradients).
 
@@ -483,6 +520,8 @@ class BackwardLaunch:
     grad_dtypes = (dx, dW, dbias dtypes) by the launches that restore their layouts (gathered
     dx by its kernel's store when dx has the compute dtype: ``staging_dtype``). Every
     temporary lives in one workspace allocation whose accumulators are zeroed by one memset.
+    dx is contiguous, or with ``dx_channels_last`` the [B, Cin, Nin] view of a contiguous
+    [B, Nin, Cin] buffer (as a channels-last x is stored), written so by the same restore.
     """
 
     def __init__(self, *, batch: int, cin: int, nin: int, cout: int, nout: int, q: int,
@@ -492,7 +531,7 @@ class BackwardLaunch:
                  weight_config: KernelConfig | None = None, ksplit: int | None = None,
                  nodes_per_cta: int | None = None,
                  grad_dtypes=(torch.float32, torch.float32, torch.float32),
-                 batch_padding: int | None = None) -> None:
+                 batch_padding: int | None = None, dx_channels_last: bool = False) -> None:
         """batch_padding: the padded batch to use where the tiles allow it (that of a
         forward's kept re-layout of x, so the backward reuses it), else the smallest."""
         index = device.index
@@ -546,9 +585,6 @@ class BackwardLaunch:
                                     (nin, self.cinpad // gi.bn, bpad // gi.tile_m),
                                     out_dtype=self.staging_dtype)
             self.dx_at = carve.add(batch * nin * cin * self.staging_dtype.itemsize)
-            self.restore_dx = _Transpose(self.staging_dtype, grad_dtypes[0], index,
-                                         (batch, nin, cin), (batch, nin, cin), (rows, nin))
-            self.restore_dx_strides = (nin * cin, cin, 1)
         elif need_input:
             self.weight_at = carve.add(q * gpad * item)
             self.weight_layout = _weight_transposed(cout, q, gpad, dtype, dtype, index)
@@ -557,9 +593,13 @@ class BackwardLaunch:
                                                 grid_yz[0] * grid_yz[1], nout, index)
             self.input_gemm = _Gemm(input_family, gi, dtype, index,
                                     (-(-nout // self.nodes_per_cta), *grid_yz))
-            self.restore_dx = _Transpose(self.staging_dtype, grad_dtypes[0], index,
-                                         (1, rows, batch), (1, rows, batch), (0, rows))
-            self.restore_dx_strides = (0, bpad, 1)
+        if need_input:
+            channels_last = dx_channels_last and cin > 1  # one channel: the storages coincide
+            self.dx_strides = (rows, 1, cin) if channels_last else (rows, nin, 1)
+            extents, dst_strides, self.restore_dx_strides = _dx_restore_geometry(
+                gathered, channels_last, batch, cin, nin, bpad)
+            self.restore_dx = _Transpose(self.staging_dtype, grad_dtypes[0], index, extents,
+                                         extents, dst_strides)
         # Per needed gradient, what names the kernel computing it (family, dtypes read and
         # stored, tile config; the bias gradient is summed by grad_y's re-layout) on this
         # device, and, as ForwardLaunch's key does, the path the dx kernel takes at run time:
@@ -632,7 +672,10 @@ class BackwardLaunch:
                 self.input_gemm(gt, w_relaid, input_linear.data_ptr(), weight_linear.data_ptr(),
                                 staging, batch, bpad, gpad, gpad, self.p64, cin * nin,
                                 input_linear.shape[0], self.nodes_per_cta)
-            dx = new((batch, cin, nin), dtype=self.grad_dtypes[0], device=device)
+            dx = torch.empty_strided((batch, cin, nin), self.dx_strides,
+                                     dtype=self.grad_dtypes[0], device=device)
+            if poison:
+                dx.fill_(math.nan)
             self.restore_dx.launch_raw(staging, dx.data_ptr(), self.restore_dx_strides)
         if self.need_weight:
             if self.xt_at is None:  # the forward's kept re-layout (see batch_padding)
@@ -700,11 +743,13 @@ def forward(x, weight, bias, input_linear, weight_linear, config=None, *, poison
 
 def backward(grad_y, x, weight, input_linear, weight_linear, reverse, cin, nin, q, *,
              need_input=True, need_weight=True, input_algorithm=None, input_config=None,
-             weight_config=None, ksplit=None, nodes_per_cta=None, poison_outputs=False):
+             weight_config=None, ksplit=None, nodes_per_cta=None, poison_outputs=False,
+             dx_channels_last=False):
     """(dx, dW) in float32, either None when not needed, from one grad_y re-layout (see
     :class:`BackwardLaunch`). x: [B, Cin, Nin] or the forward's TransposedInput.
     nodes_per_cta: how many nodes one CTA of the scatter kernel walks (None: heuristic).
-    poison_outputs: NaN-fill outputs and staging first (see BackwardLaunch.run)."""
+    poison_outputs: NaN-fill outputs and staging first (see BackwardLaunch.run).
+    dx_channels_last: dx in channels-last storage (see BackwardLaunch)."""
     _check_operands("backward", *((grad_y, weight) if need_input else (grad_y,)))
     _check_kernel_tables(input_linear, weight_linear, grad_y.device)
     batch, cout, nout = grad_y.shape
@@ -724,7 +769,8 @@ def backward(grad_y, x, weight, input_linear, weight_linear, reverse, cin, nin, 
                             algorithm=input_algorithm, input_config=input_config,
                             weight_config=weight_config, ksplit=ksplit,
                             nodes_per_cta=nodes_per_cta,
-                            batch_padding=x.bpad if isinstance(x, TransposedInput) else None)
+                            batch_padding=x.bpad if isinstance(x, TransposedInput) else None,
+                            dx_channels_last=dx_channels_last)
     if launch.algorithm == "gather" and need_input and reverse is None:
         raise ValueError("the gather algorithm needs reverse=reverse_tables(...)")
     return launch.run(grad_y, x, weight, input_linear, weight_linear, reverse,

@@ -3,18 +3,52 @@ pooling and depthwise KNN convolution, forward and backward.
 
 Every gradient with respect to x is a gather over the reversed graph (atomic-free,
 deterministic); the depthwise weight gradient sums per block in shared memory and adds with
-fp32 atomics. Tensors are contiguous [B, C, N] on one CUDA device; tables are int32.
+fp32 atomics. Tensors are [B, C, N] on one CUDA device, contiguous (pooling also takes
+channels-last storage: the transposed view of a contiguous [B, N, C] buffer); tables are
+int32.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ..registry import in_storage, is_channels_last
 from .build import get_kernel, neighbourhood_name
-from .launch import MAX_GRID_YZ, ReverseTables, _launch, _pointer
+from .launch import MAX_GRID_YZ, ReverseTables, _launch, _pointer, reverse_tables
 
 POOL_MODE_CODES = {"max": 0, "avg": 1, "sum": 2}
 NATIVE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TIES_DTYPE = torch.uint8  # what pool_forward counts a max's ties in
+# A tie count can reach K: max mode serves windows of at most this many neighbours.
+MAX_TIED_NEIGHBOURS = torch.iinfo(TIES_DTYPE).max
+# knn_depthwise_grad_weight sums a block's contributions per kernel cell in 48 KiB of shared
+# memory (one float per cell).
+MAX_NATIVE_CELLS = 48 * 1024 // 4
+
+
+@dataclass
+class NativeTables:
+    """A neighbourhood plan's tables as the kernels read them, on one device."""
+
+    knn: torch.Tensor  # int32 [K, Nout]
+    cells: torch.Tensor | None  # int32 [K, Nout]: each slot's kernel cell (depthwise)
+    reverse: ReverseTables
+    scale: torch.Tensor  # float32 [Nout]: 1 / the number of real neighbours (at least 1)
+
+
+def native_tables(knn_indices: torch.Tensor, slot_cells: torch.Tensor | None,
+                  nin: int) -> NativeTables:
+    """The NativeTables of a neighbour table (int64 [K, Nout]) and a depthwise layer's slot
+    cells (int64 [K, Nout], or None for a pooling)."""
+    cells = slot_cells if slot_cells is not None else torch.zeros_like(knn_indices)
+    real = (knn_indices != nin).sum(dim=0).clamp_min(1)
+    return NativeTables(
+        knn=knn_indices.to(torch.int32).contiguous(),
+        cells=None if slot_cells is None else slot_cells.to(torch.int32).contiguous(),
+        reverse=reverse_tables(knn_indices, cells.t(), nin),
+        scale=(1.0 / real.to(torch.float32)).contiguous())
 THREADS = 256
 
 
@@ -26,33 +60,114 @@ def _run(name: str, device: torch.device, extent: int, rows: int, args: tuple, *
     _launch(get_kernel(name, device.index), device.index, grid, (THREADS, 1, 1), shared, args)
 
 
+# Each thread of the channels-last pooling kernels moves a run of channels in one load of at
+# most 16 bytes: these runs, the longest first, are built for every dtype they fit.
+CHANNEL_VECTORS = (8, 4, 2, 1)
+MAX_VECTOR_BYTES = 16
+
+
+def channel_vectors(dtype: torch.dtype) -> tuple[int, ...]:
+    """The channel runs (kVector) the channels-last pooling kernels are built for in dtype."""
+    return tuple(v for v in CHANNEL_VECTORS if v * dtype.itemsize <= MAX_VECTOR_BYTES)
+
+
+def _channel_vector(channels: int, dtype: torch.dtype, *tensors: torch.Tensor) -> int:
+    """The longest run that divides C and starts every tensor's address on a whole vector of
+    its elements: every run then lies within one row of C channels and on a vector boundary.
+    1 always does."""
+    return next(v for v in channel_vectors(dtype) if channels % v == 0 and all(
+        t.data_ptr() % (v * t.element_size()) == 0 for t in tensors))
+
+
+def _empty(batch: int, channels: int, nodes: int, dtype: torch.dtype, device: torch.device,
+           channels_last: bool) -> torch.Tensor:
+    """An uninitialised [B, C, N] tensor, in channels-last storage or contiguous."""
+    if channels_last:
+        return torch.empty(batch, nodes, channels, dtype=dtype, device=device).transpose(1, 2)
+    return torch.empty(batch, channels, nodes, dtype=dtype, device=device)
+
+
+def _channels_last_indexable(channels: int, nin: int, nout: int) -> bool:
+    """Whether the channels-last kernels' thread index, (node, channel run) within one batch
+    element, fits their int."""
+    return max(nin, nout) * channels < 2**31
+
+
 def pool_forward(x: torch.Tensor, knn: torch.Tensor, nin: int, mode: str):
-    """(y [B, C, Nout] in x's dtype, ties [B, C, Nout] int32 for max, else None)."""
+    """(y [B, C, Nout] in x's dtype, ties [B, C, Nout] TIES_DTYPE for max, else None).
+
+    A channels-last x (the [B, C, Nin] view of a contiguous [B, Nin, C] buffer) takes the
+    channels-last kernels, whose y and ties take that storage; any other x the row kernels on
+    x.contiguous(), whose y and ties are contiguous. ValueError for max mode past
+    MAX_TIED_NEIGHBOURS neighbours.
+    """
     batch, channels, _ = x.shape
     k, nout = knn.shape
-    y = torch.empty(batch, channels, nout, dtype=x.dtype, device=x.device)
-    ties = (torch.empty(batch, channels, nout, dtype=torch.int32, device=x.device)
+    if mode == "max" and k > MAX_TIED_NEIGHBOURS:
+        raise ValueError(f"max pooling counts tied maxima in {TIES_DTYPE}: it serves at most "
+                         f"K = {MAX_TIED_NEIGHBOURS} neighbours, got K = {k}")
+    channels_last = is_channels_last(x) and _channels_last_indexable(channels, nin, nout)
+    if not channels_last:
+        x = x.contiguous()
+    y = _empty(batch, channels, nout, x.dtype, x.device, channels_last)
+    ties = (_empty(batch, channels, nout, TIES_DTYPE, x.device, channels_last)
             if mode == "max" else None)
-    name = neighbourhood_name("knn_pool_forward", x.dtype, mode=POOL_MODE_CODES[mode])
-    _run(name, x.device, nout, batch * channels,
-         (x.data_ptr(), knn.data_ptr(), y.data_ptr(), _pointer(ties), batch * channels, nin,
-          nout, k))
+    mode_code = POOL_MODE_CODES[mode]
+    if channels_last:
+        vector = _channel_vector(channels, x.dtype, *(t for t in (x, y, ties) if t is not None))
+        name = neighbourhood_name("knn_pool_forward_channels_last", x.dtype, mode=mode_code,
+                                  vector=vector)
+        _run(name, x.device, nout * (channels // vector), batch,
+             (x.data_ptr(), knn.data_ptr(), y.data_ptr(), _pointer(ties), batch, channels, nin,
+              nout, k))
+    else:
+        _run(neighbourhood_name("knn_pool_forward", x.dtype, mode=mode_code), x.device, nout,
+             batch * channels,
+             (x.data_ptr(), knn.data_ptr(), y.data_ptr(), _pointer(ties), batch * channels, nin,
+              nout, k))
     return y, ties
 
 
 def pool_backward(grad_y: torch.Tensor, x: torch.Tensor | None, y: torch.Tensor | None,
                   ties: torch.Tensor | None, scale: torch.Tensor, reverse: ReverseTables,
-                  mode: str, nin: int) -> torch.Tensor:
-    """dx [B, C, Nin] in grad_y's dtype (the dtype of x). x, y and ties: max mode only.
-    scale: float32 [Nout], 1/(real neighbours), read in avg mode."""
+                  mode: str, nin: int, *, channels_last: bool | None = None) -> torch.Tensor:
+    """dx [B, C, Nin] in grad_y's dtype (the dtype of x). x, y and ties: max mode only, y and
+    ties as pool_forward returned them. scale: float32 [Nout], 1/(real neighbours), read in
+    avg mode.
+
+    The kernels run in y's storage in max mode (the one pool_forward chose), else in the one
+    ``channels_last`` asks for, by default grad_y's (no x is saved there). Operands in the
+    other storage (grad_y, or a saved x) are copied once into the kernels' storage: read
+    through their strides, the threads of one node, channels fastest, would not coalesce. dx
+    comes in the kernels' storage, or in the one ``channels_last`` asks for (channels-last when
+    True, contiguous when False).
+    """
     batch, channels, nout = grad_y.shape
-    dx = torch.empty(batch, channels, nin, dtype=grad_y.dtype, device=grad_y.device)
-    name = neighbourhood_name("knn_pool_backward", grad_y.dtype, mode=POOL_MODE_CODES[mode])
-    _run(name, grad_y.device, nin, batch * channels,
-         (grad_y.data_ptr(), _pointer(x), _pointer(y), _pointer(ties), scale.data_ptr(),
-          reverse.pair_start.data_ptr(), reverse.pair_node.data_ptr(), dx.data_ptr(),
-          batch * channels, nin, nout))
-    return dx
+    if mode == "max":
+        kernels_channels_last = is_channels_last(y)
+    else:
+        requested = is_channels_last(grad_y) if channels_last is None else channels_last
+        kernels_channels_last = requested and _channels_last_indexable(channels, nin, nout)
+    grad_y, x, y, ties = (None if t is None else in_storage(t, kernels_channels_last)
+                          for t in (grad_y, x, y, ties))
+    dx = _empty(batch, channels, nin, grad_y.dtype, grad_y.device, kernels_channels_last)
+    mode_code = POOL_MODE_CODES[mode]
+    if kernels_channels_last:
+        vector = _channel_vector(channels, grad_y.dtype,
+                                 *(t for t in (grad_y, x, y, ties, dx) if t is not None))
+        name = neighbourhood_name("knn_pool_backward_channels_last", grad_y.dtype,
+                                  mode=mode_code, vector=vector)
+        _run(name, grad_y.device, nin * (channels // vector), batch,
+             (grad_y.data_ptr(), _pointer(x), _pointer(y), _pointer(ties), scale.data_ptr(),
+              reverse.pair_start.data_ptr(), reverse.pair_node.data_ptr(), dx.data_ptr(),
+              batch, channels, nin, nout))
+    else:
+        _run(neighbourhood_name("knn_pool_backward", grad_y.dtype, mode=mode_code),
+             grad_y.device, nin, batch * channels,
+             (grad_y.data_ptr(), _pointer(x), _pointer(y), _pointer(ties), scale.data_ptr(),
+              reverse.pair_start.data_ptr(), reverse.pair_node.data_ptr(), dx.data_ptr(),
+              batch * channels, nin, nout))
+    return dx if channels_last is None else in_storage(dx, channels_last)
 
 
 def depthwise_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

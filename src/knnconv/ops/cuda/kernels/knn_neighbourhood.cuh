@@ -1,54 +1,101 @@
 // Per-channel neighbourhood kernels: KNN pooling and depthwise KNN convolution.
 //
-// Layouts: x [rows, Nin] and y [rows, Nout] with rows = B*C (channel c = row % C);
+// Row layouts: x [rows, Nin] and y [rows, Nout] with rows = B*C (channel c = row % C), the
+// storage of a contiguous [B, C, N] tensor. Channels-last layouts (the *_channels_last pooling
+// kernels): x [B, Nin, C] and y [B, Nout, C], the storage a [B, C, N] tensor has when it is
+// the transposed view of a [B, N, C] buffer, as knnconv's convolution returns it.
 // knn [K, Nout] int32 (Nin marks a padding neighbour); cells [K, Nout] int32, the kernel cell
 // of each slot; the reversed graph (pair_start [Nin + 1], pair_node / pair_cell [pairs]) lists
 // the real (output node, cell) pairs that read each input node, so every gradient with
-// respect to x is a gather: atomic-free and deterministic. Rows are walked with a grid-stride
-// loop over gridDim.y (B*C may exceed its 65535 limit); accumulation is in fp32.
+// respect to x is a gather: atomic-free and deterministic. Rows (or, channels-last, batch
+// elements) are walked with a grid-stride loop over gridDim.y (B*C may exceed its 65535
+// limit); accumulation is in fp32.
 #pragma once
 
 namespace knnconv {
 
 enum PoolMode { kPoolMax = 0, kPoolAvg = 1, kPoolSum = 2 };
 
+// The word one load or store of kBytes moves: a run of consecutive elements read in one
+// instruction, so a warp reading channel runs of one node issues few wide, coalesced accesses.
+template <int kBytes>
+struct VectorWord;
+template <>
+struct VectorWord<1> { using type = unsigned char; };
+template <>
+struct VectorWord<2> { using type = unsigned short; };
+template <>
+struct VectorWord<4> { using type = unsigned int; };
+template <>
+struct VectorWord<8> { using type = uint2; };
+template <>
+struct VectorWord<16> { using type = uint4; };
+
+template <typename T, int kVector>
+using VectorOf = typename VectorWord<sizeof(T) * kVector>::type;
+
+// kVector consecutive elements from an address aligned to their total size, in one load.
+template <int kVector, typename T>
+__device__ __forceinline__ void load_vector(const T* __restrict__ at, T (&values)[kVector]) {
+  const VectorOf<T, kVector> word = __ldg(reinterpret_cast<const VectorOf<T, kVector>*>(at));
+  const T* scalars = reinterpret_cast<const T*>(&word);
+#pragma unroll
+  for (int e = 0; e < kVector; ++e) values[e] = scalars[e];
+}
+
+template <int kVector, typename T>
+__device__ __forceinline__ void store_vector(T* __restrict__ at, const T (&values)[kVector]) {
+  VectorOf<T, kVector> word;
+  T* scalars = reinterpret_cast<T*>(&word);
+#pragma unroll
+  for (int e = 0; e < kVector; ++e) scalars[e] = values[e];
+  *reinterpret_cast<VectorOf<T, kVector>*>(at) = word;
+}
+
+// One step of a max over a window: best and its tie count, with NaN absorbing. Once best is
+// NaN every comparison is false, so it stays NaN with 0 ties, and the backward, which only
+// sends gradient where ties > 0, gives that window none.
+__device__ __forceinline__ void max_step(float value, float& best, int& ties) {
+  if (value > best) {
+    best = value;
+    ties = 1;
+  } else if (value == best) {
+    ++ties;
+  } else if (value != value) {
+    best = value;
+    ties = 0;
+  }
+}
+
 // y[r, n] = max / mean / sum of x[r, knn[k, n]] over the real neighbours k of n (0 when there
 // is none); for max also ties[r, n] = how many real neighbours equal the max (0 when the
 // output is NaN or has no real neighbour), so the backward can share the gradient between
-// tied maxima like torch.amax.
+// tied maxima like torch.amax. Ties are uint8: the host refuses max windows of K > 255.
 template <typename T, int kMode>
 __global__ void knn_pool_forward(const T* __restrict__ x, const int* __restrict__ knn,
-                                 T* __restrict__ y, int* __restrict__ ties, int rows, int nin,
-                                 int nout, int k) {
+                                 T* __restrict__ y, unsigned char* __restrict__ ties, int rows,
+                                 int nin, int nout, int k) {
   const int n = blockIdx.x * blockDim.x + threadIdx.x;
   if (n >= nout) return;
   for (int r = blockIdx.y; r < rows; r += gridDim.y) {
     const T* row = x + static_cast<size_t>(r) * nin;
     float best = __int_as_float(0xff800000), total = 0.0f;  // -inf
     int real = 0, equal = 0;
-    bool nan_seen = false;
     for (int s = 0; s < k; ++s) {
       const int m = knn[s * nout + n];
       if (m == nin) continue;
       const float v = to_float(row[m]);
       ++real;
-      if (kMode == kPoolMax) {
-        if (v != v) {
-          nan_seen = true;
-        } else if (v > best) {
-          best = v;
-          equal = 1;
-        } else if (v == best) {
-          ++equal;
-        }
+      if constexpr (kMode == kPoolMax) {
+        max_step(v, best, equal);
       } else {
         total += v;
       }
     }
     float out;
-    if (kMode == kPoolMax) {
-      out = nan_seen ? __int_as_float(0x7fffffff) : (real > 0 ? best : 0.0f);
-      ties[static_cast<size_t>(r) * nout + n] = (nan_seen || real == 0) ? 0 : equal;
+    if constexpr (kMode == kPoolMax) {
+      out = real > 0 ? best : 0.0f;
+      ties[static_cast<size_t>(r) * nout + n] = static_cast<unsigned char>(equal);
     } else {
       out = kMode == kPoolAvg ? total / static_cast<float>(real > 0 ? real : 1) : total;
     }
@@ -60,7 +107,7 @@ __global__ void knn_pool_forward(const T* __restrict__ x, const int* __restrict_
 // (avg, as scale[n]) or, for max, 1/ties[r, n] when x[r, m] is the max y[r, n] and 0 otherwise.
 template <typename T, int kMode>
 __global__ void knn_pool_backward(const T* __restrict__ gy, const T* __restrict__ x,
-                                  const T* __restrict__ y, const int* __restrict__ ties,
+                                  const T* __restrict__ y, const unsigned char* __restrict__ ties,
                                   const float* __restrict__ scale,
                                   const int* __restrict__ pair_start,
                                   const int* __restrict__ pair_node, T* __restrict__ dx,
@@ -73,18 +120,131 @@ __global__ void knn_pool_backward(const T* __restrict__ gy, const T* __restrict_
     float total = 0.0f;
     for (int j = first; j < last; ++j) {
       const int n = pair_node[j];
-      if (kMode == kPoolMax) {
+      if constexpr (kMode == kPoolMax) {
         const int tied = ties[out_row + n];
-        if (tied > 0 && x[static_cast<size_t>(r) * nin + m] == y[out_row + n]) {
+        if (tied > 0 && to_float(x[static_cast<size_t>(r) * nin + m]) == to_float(y[out_row + n])) {
           total += to_float(gy[out_row + n]) / static_cast<float>(tied);
         }
-      } else if (kMode == kPoolAvg) {
+      } else if constexpr (kMode == kPoolAvg) {
         total += to_float(gy[out_row + n]) * scale[n];
       } else {
         total += to_float(gy[out_row + n]);
       }
     }
     dx[static_cast<size_t>(r) * nin + m] = from_float<T>(total);
+  }
+}
+
+// The channels-last pooling: y[b, n, c] (and for max ties[b, n, c]) as knn_pool_forward
+// defines them, on x [B, Nin, C]. One thread per (node n, run of kVector channels), channels
+// fastest, batch elements over gridDim.y: the threads serving one node read each neighbour's
+// channel run as consecutive vectors of one row of x, so every gather is coalesced. C is a
+// multiple of kVector and x, y aligned to kVector elements (the host picks kVector so).
+template <typename T, int kMode, int kVector>
+__global__ void knn_pool_forward_channels_last(const T* __restrict__ x,
+                                               const int* __restrict__ knn, T* __restrict__ y,
+                                               unsigned char* __restrict__ ties, int batch,
+                                               int channels, int nin, int nout, int k) {
+  const int runs = channels / kVector;
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= nout * runs) return;  // the host keeps Nout * C within an int
+  const int n = i / runs;
+  const int c = (i - n * runs) * kVector;
+  for (int b = blockIdx.y; b < batch; b += gridDim.y) {
+    const T* image = x + static_cast<size_t>(b) * nin * channels + c;
+    float best[kVector], total[kVector];
+    int equal[kVector];
+#pragma unroll
+    for (int e = 0; e < kVector; ++e) {
+      best[e] = __int_as_float(0xff800000);  // -inf
+      total[e] = 0.0f;
+      equal[e] = 0;
+    }
+    int real = 0;
+    for (int s = 0; s < k; ++s) {
+      const int m = knn[s * nout + n];
+      if (m == nin) continue;
+      ++real;
+      T values[kVector];
+      load_vector(image + static_cast<size_t>(m) * channels, values);
+#pragma unroll
+      for (int e = 0; e < kVector; ++e) {
+        if constexpr (kMode == kPoolMax) {
+          max_step(to_float(values[e]), best[e], equal[e]);
+        } else {
+          total[e] += to_float(values[e]);
+        }
+      }
+    }
+    const size_t out = (static_cast<size_t>(b) * nout + n) * channels + c;
+    T pooled[kVector];
+    if constexpr (kMode == kPoolMax) {
+      unsigned char tied[kVector];
+#pragma unroll
+      for (int e = 0; e < kVector; ++e) {
+        pooled[e] = from_float<T>(real > 0 ? best[e] : 0.0f);
+        tied[e] = static_cast<unsigned char>(equal[e]);
+      }
+      store_vector(ties + out, tied);
+    } else {
+      const float count = kMode == kPoolAvg ? static_cast<float>(real > 0 ? real : 1) : 1.0f;
+#pragma unroll
+      for (int e = 0; e < kVector; ++e) pooled[e] = from_float<T>(total[e] / count);
+    }
+    store_vector(y + out, pooled);
+  }
+}
+
+// The channels-last gradient: dx[b, m, c] as knn_pool_backward defines it, with gy, y and
+// ties [B, Nout, C], x and dx [B, Nin, C]. One thread per (input node m, run of kVector
+// channels), channels fastest: each pair reading m is one coalesced vector read of gy (and
+// of y and ties for max) per run.
+template <typename T, int kMode, int kVector>
+__global__ void knn_pool_backward_channels_last(
+    const T* __restrict__ gy, const T* __restrict__ x, const T* __restrict__ y,
+    const unsigned char* __restrict__ ties, const float* __restrict__ scale,
+    const int* __restrict__ pair_start, const int* __restrict__ pair_node, T* __restrict__ dx,
+    int batch, int channels, int nin, int nout) {
+  const int runs = channels / kVector;
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= nin * runs) return;  // the host keeps Nin * C within an int
+  const int m = i / runs;
+  const int c = (i - m * runs) * kVector;
+  const int first = pair_start[m], last = pair_start[m + 1];
+  for (int b = blockIdx.y; b < batch; b += gridDim.y) {
+    const size_t out_image = static_cast<size_t>(b) * nout * channels + c;
+    const size_t in = (static_cast<size_t>(b) * nin + m) * channels + c;
+    T own[kVector];
+    if constexpr (kMode == kPoolMax) load_vector(x + in, own);
+    float total[kVector];
+#pragma unroll
+    for (int e = 0; e < kVector; ++e) total[e] = 0.0f;
+    for (int j = first; j < last; ++j) {
+      const int n = pair_node[j];
+      const size_t at = out_image + static_cast<size_t>(n) * channels;
+      T grads[kVector];
+      load_vector(gy + at, grads);
+      if constexpr (kMode == kPoolMax) {
+        T pooled[kVector];
+        unsigned char tied[kVector];
+        load_vector(y + at, pooled);
+        load_vector(ties + at, tied);
+#pragma unroll
+        for (int e = 0; e < kVector; ++e) {
+          if (tied[e] > 0 && to_float(own[e]) == to_float(pooled[e])) {
+            total[e] += to_float(grads[e]) / static_cast<float>(tied[e]);
+          }
+        }
+      } else {
+        const float share = kMode == kPoolAvg ? scale[n] : 1.0f;
+#pragma unroll
+        for (int e = 0; e < kVector; ++e) total[e] += to_float(grads[e]) * share;
+      }
+    }
+    T grad[kVector];
+#pragma unroll
+    for (int e = 0; e < kVector; ++e) grad[e] = from_float<T>(total[e]);
+    store_vector(dx + in, grad);
   }
 }
 
