@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("fovi.models.knnalexnet")
 
-from knnconv.tools import bench  # noqa: E402
+from knnconv.tools import bench, fovi_models  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.meshgrid"),
               pytest.mark.filterwarnings("ignore:To copy construct from a tensor")]
@@ -41,3 +41,17 @@ def test_tiny_alexnet_runs_every_path(tmp_path):
     else:
         assert rows["grid"]["status"] == "ok"
     assert result["breakdown"] == {"alexnet": {}}  # the GPU-time profile needs CUDA
+
+
+@pytest.mark.parametrize(("kernel", "expected"), [
+    ("void cudnn::batchnorm_bwtr_nhwc_semiPersist<__half, float>", "normalisation"),
+    ("void cudnn::bn_fw_tr_1C11_kernel_NCHW<__half, float>", "normalisation"),
+    ("void at::native::batch_norm_collect_statistics_channels_last_kernel", "normalisation"),
+    ("void knnconv::knn_pool_backward_channels_last<__half, 0, 8>", "knn_pool"),
+    ("void knnconv::knn_forward<__half, __half, 128, 64, 64>", "knn_conv"),
+    ("void knnconv::transpose_pad<__half, __half>", "relayout_copy"),
+    ("void at::native::elementwise_kernel<direct_copy_kernel_cuda>", "relayout_copy"),
+    ("void at::native::vectorized_elementwise_kernel<launch_clamp_scalar>", "other"),
+])
+def test_breakdown_categories(kernel, expected):
+    assert fovi_models.category(kernel) == expected

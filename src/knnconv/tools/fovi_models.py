@@ -48,6 +48,7 @@ PROFILE_STEPS = 3
 STATIC_LOSS_SCALE = 2.0**10
 LEARNING_RATE = 1e-3
 CATEGORIES = ("knn_conv", "knn_pool", "normalisation", "relayout_copy", "other")
+TOP_KERNELS = 15  # kernels listed by name in a breakdown
 
 
 def add_fovi_arguments(parser: argparse.ArgumentParser) -> None:
@@ -200,7 +201,8 @@ def time_cell(models: PathModels, path: str, mode: str, batch: int, args: argpar
 def category(kernel: str) -> str:
     """The breakdown category of a CUDA kernel's name."""
     name = kernel.lower()
-    if any(word in name for word in ("batch_norm", "bn_", "layer_norm")):
+    # torch's own kernels (batch_norm_*, layer_norm_*) and cuDNN's (bn_*, batchnorm_*_nhwc_*)
+    if any(word in name for word in ("batch_norm", "batchnorm", "bn_", "layer_norm")):
         return "normalisation"
     if "pool" in name:
         return "knn_pool"
@@ -227,9 +229,16 @@ def profile_breakdown(models: PathModels, path: str, batch: int, args: argparse.
                 step()
             torch.cuda.synchronize(device)
         totals = dict.fromkeys(CATEGORIES, 0.0)
+        kernels = {}
         for event in profiler.key_averages():
-            totals[category(event.key)] += event.self_device_time_total / 1e3 / PROFILE_STEPS
-        return {"batch": batch, "status": "ok", "ms_per_step": totals}
+            ms = event.self_device_time_total / 1e3 / PROFILE_STEPS
+            totals[category(event.key)] += ms
+            kernels[event.key] = ms
+        # the heaviest kernels by name, so a category can be traced to what it holds
+        heaviest = sorted(kernels.items(), key=lambda item: -item[1])[:TOP_KERNELS]
+        return {"batch": batch, "status": "ok", "ms_per_step": totals,
+                "top_kernels": [{"kernel": name[:160], "category": category(name), "ms": ms}
+                                for name, ms in heaviest]}
     except Exception as error:  # a breakdown that fails leaves the timings standing
         return {"batch": batch, "status": "error", "error": f"{type(error).__name__}: {error}"}
     finally:

@@ -80,6 +80,26 @@ class _RecentLaunches:
             return launch
 
 
+# A property of the process and the device: under torch.compile the probe runs once, outside
+# the graph, and its answer is a constant of it (the probe's CuPy queries are not traceable,
+# and tracing them would break the graph of a model whose first call is compiled).
+@torch.compiler.assume_constant_result
+def probe_device(index: int) -> str | None:
+    """Why the kernels cannot run on device ``index``, or None: CuPy, an NVRTC newer than the
+    driver, CUDA's headers, the compute capability."""
+    try:  # the NVRTC / driver mismatch first: it blocks whatever the headers
+        reason = nvrtc_mismatch(import_cupy())
+        if reason is None:
+            cuda_include_dir()
+    except (ImportError, RuntimeError) as exc:
+        reason = str(exc)
+    capability = torch.cuda.get_device_capability(index)
+    if reason is None and capability < MIN_COMPUTE_CAPABILITY:
+        reason = (f"needs compute capability >= {MIN_COMPUTE_CAPABILITY}, device {index} "
+                  f"has {capability}")
+    return reason
+
+
 class CudaOps(KNNConvOps):
     """Registry ops backed by the native kernels.
 
@@ -103,17 +123,7 @@ class CudaOps(KNNConvOps):
     def device_reason(self, index: int) -> str | None:
         """Why the kernels cannot run on device ``index`` (CuPy, headers, NVRTC, capability)."""
         if index not in self._device_reasons:
-            try:  # the NVRTC / driver mismatch first: it blocks whatever the headers
-                reason = nvrtc_mismatch(import_cupy())
-                if reason is None:
-                    cuda_include_dir()
-            except (ImportError, RuntimeError) as exc:
-                reason = str(exc)
-            capability = torch.cuda.get_device_capability(index)
-            if reason is None and capability < MIN_COMPUTE_CAPABILITY:
-                reason = (f"needs compute capability >= {MIN_COMPUTE_CAPABILITY}, device {index} "
-                          f"has {capability}")
-            self._device_reasons[index] = reason
+            self._device_reasons[index] = probe_device(index)
         return self._device_reasons[index]
 
     def call_reason(self, device: torch.device, *, atomics: bool, alternative: str) -> str | None:

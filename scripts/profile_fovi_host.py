@@ -1,0 +1,59 @@
+"""Where the host time of one eager training step of an accelerated fovi model goes: cProfile
+over a few steps at a small batch (GPU-light, so the step is host-bound), the top functions
+by own time, and the step's wall time next to fovi's own path.
+
+    python scripts/profile_fovi_host.py [resnet18|alexnet] [BATCH]
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import torch
+
+from knnconv.tools.fovi_models import PathModels, training_step
+
+STEPS = 20
+
+
+def wall_ms(step) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(STEPS):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / STEPS * 1e3
+
+
+def main() -> int:
+    name = sys.argv[1] if len(sys.argv) > 1 else "resnet18"
+    batch = int(sys.argv[2]) if len(sys.argv) > 2 else 16
+    device = torch.device("cuda")
+    models = PathModels(name, 64, device)
+    steps = {}
+    for path in ("fovi", "accelerated"):
+        module, forward = models.network(path)
+        x, labels = models.inputs(path, batch, device)
+        steps[path] = training_step(module, forward, x, labels, device, graph=False)
+        for _ in range(3):
+            steps[path]()
+        print(f"{name} {path} B={batch}: {wall_ms(steps[path]):.2f} ms per eager step")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(STEPS):
+        steps["accelerated"]()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
+    stats.print_stats(35)
+    print(text.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
