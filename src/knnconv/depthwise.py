@@ -17,8 +17,8 @@ from torch import nn
 from ._checks import check_positive
 from .functional import knn_depthwise_conv_with_backend
 from .geometry import knn_geometry
+from .ops.registry import check_backend
 from .plan import NeighbourhoodPlan
-from .pool import check_backend
 
 
 class KNNDepthwiseConv(nn.Module):

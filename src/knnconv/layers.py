@@ -10,7 +10,7 @@ from torch import nn
 
 from .functional import knn_conv_with_backend
 from .geometry import knn_geometry
-from .ops.registry import get_ops
+from .ops.registry import check_backend
 from .plan import make_plan
 
 
@@ -28,9 +28,7 @@ class KNNConv(nn.Module):
         self.plan = make_plan(knn_indices, rf_index, nin=nin, v=v, cin=in_channels,
                               cout=out_channels)
         self.in_channels, self.out_channels = in_channels, out_channels
-        if backend != "auto":
-            get_ops(backend)  # an unknown name fails here, not at the first forward
-        self.backend = backend
+        self.backend = check_backend(backend)
         self.last_backend: str | None = None
         self.weight = nn.Parameter(torch.empty(out_channels, in_channels * v))
         self.bias = nn.Parameter(torch.empty(out_channels)) if bias else None

@@ -18,7 +18,7 @@ from torch import nn
 from ._checks import check_positive
 from .functional import POOL_MODES, check_mode, knn_pool_with_backend
 from .geometry import knn_geometry
-from .ops.registry import get_ops
+from .ops.registry import check_backend
 from .plan import NeighbourhoodPlan
 
 __all__ = ["POOL_MODES", "KNNPool", "knn_pool"]
@@ -35,13 +35,6 @@ def knn_pool(x: torch.Tensor, knn_indices, nin: int, mode: str = "max",
     """
     plan = NeighbourhoodPlan(knn_indices, nin=nin)
     return knn_pool_with_backend(x, plan, mode, backend)[0]
-
-
-def check_backend(backend) -> str:
-    """backend as given; an unknown name fails here, not at the first forward."""
-    if backend != "auto":
-        get_ops(backend)
-    return backend
 
 
 class KNNPool(nn.Module):

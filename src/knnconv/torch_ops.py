@@ -18,7 +18,7 @@ from .ops.execute import (
     depthwise_forward_impl,
     forward_impl,
 )
-from .ops.registry import get_ops, in_storage, is_channels_last
+from .ops.registry import empty_in_storage, get_ops, in_storage, is_channels_last
 from .plan import GeometryPlan
 
 
@@ -34,15 +34,6 @@ def _node_major(y: torch.Tensor) -> torch.Tensor:
     if y.transpose(1, 2).is_contiguous():
         return y
     return y.transpose(1, 2).contiguous().transpose(1, 2)
-
-
-def _empty_like_storage(shape: tuple, channels_last: bool, like: torch.Tensor,
-                        dtype: torch.dtype) -> torch.Tensor:
-    """An empty [B, C, N] tensor in channels-last storage or contiguous."""
-    if not channels_last:
-        return like.new_empty(shape, dtype=dtype)
-    batch, channels, nodes = shape
-    return like.new_empty(batch, nodes, channels, dtype=dtype).transpose(1, 2)
 
 
 @torch.library.custom_op("knnconv::forward", mutates_args=())
@@ -93,7 +84,7 @@ def backward_op(grad_y: torch.Tensor, x: torch.Tensor, saved: torch.Tensor,
 @backward_op.register_fake
 def _(grad_y, x, saved, weight, plan, backend, dtype, need_x, need_w, bias_dtype,
       dx_channels_last):
-    grad_x = _empty_like_storage(tuple(x.shape), dx_channels_last, x, x.dtype)
+    grad_x = empty_in_storage(tuple(x.shape), dx_channels_last, x.dtype, x.device)
     return (grad_x if need_x else x.new_empty(0),
             weight.new_empty(weight.shape) if need_w else weight.new_empty(0),
             weight.new_empty(_plan(plan).cout, dtype=bias_dtype) if bias_dtype is not None
@@ -150,10 +141,10 @@ def pool_forward_op(x: torch.Tensor, plan: str, backend: str,
 def _(x, plan, backend, mode):
     shape = (x.shape[0], x.shape[1], _plan(plan).nout)
     channels_last = is_channels_last(x)
-    y = _empty_like_storage(shape, channels_last, x, x.dtype)
+    y = empty_in_storage(shape, channels_last, x.dtype, x.device)
     ties_dtype = get_ops(backend).pool_ties_dtype(mode)
-    ties = x.new_empty(0) if ties_dtype is None else _empty_like_storage(
-        shape, channels_last, x, ties_dtype)
+    ties = x.new_empty(0) if ties_dtype is None else empty_in_storage(
+        shape, channels_last, ties_dtype, x.device)
     return y, ties
 
 
@@ -171,7 +162,7 @@ def pool_backward_op(grad_y: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
 @pool_backward_op.register_fake
 def _(grad_y, x, y, ties, plan, backend, mode, channels_last):
     shape = (grad_y.shape[0], grad_y.shape[1], _plan(plan).nin)
-    return _empty_like_storage(shape, channels_last, grad_y, grad_y.dtype)
+    return empty_in_storage(shape, channels_last, grad_y.dtype, grad_y.device)
 
 
 def _pool_setup_context(ctx, inputs, output):

@@ -25,17 +25,35 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _channels_last_strides(t: torch.Tensor) -> bool:
+    """Whether [B, C, N] t has the strides of a transposed contiguous [B, N, C] buffer (size-1
+    dimensions may have any stride). Read from the sizes and strides alone: it runs on every
+    call of the hot paths."""
+    batch, channels, nodes = t.shape
+    return ((channels == 1 or t.stride(1) == 1) and (nodes == 1 or t.stride(2) == channels)
+            and (batch == 1 or t.stride(0) == channels * nodes))
+
+
 def is_channels_last(t: torch.Tensor) -> bool:
     """Whether a [B, C, N] tensor is the transposed view of a contiguous [B, N, C] buffer and
     not also contiguous (with C or N of 1 the two storages are one memory order)."""
-    return not t.is_contiguous() and t.transpose(1, 2).is_contiguous()
+    return _channels_last_strides(t) and not t.is_contiguous()
 
 
 def in_storage(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
     """t [B, C, N] in channels-last storage or contiguous, copied only where it is not."""
-    if channels_last:
-        return t.transpose(1, 2).contiguous().transpose(1, 2)
-    return t.contiguous()
+    if not channels_last:
+        return t.contiguous()
+    return t if _channels_last_strides(t) else t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def empty_in_storage(shape: tuple, channels_last: bool, dtype: torch.dtype,
+                     device: torch.device) -> torch.Tensor:
+    """An uninitialised [B, C, N] tensor, in channels-last storage or contiguous."""
+    if not channels_last:
+        return torch.empty(shape, dtype=dtype, device=device)
+    batch, channels, nodes = shape
+    return torch.empty(batch, nodes, channels, dtype=dtype, device=device).transpose(1, 2)
 
 
 class KNNConvOps:
@@ -175,6 +193,14 @@ def register_ops(ops: KNNConvOps, *, replace: bool = False) -> KNNConvOps:
 def available_backends() -> list[str]:
     """Names that ``backend=`` accepts, besides 'auto'."""
     return sorted(_REGISTRY)
+
+
+def check_backend(name) -> str:
+    """A layer's ``backend`` argument, checked when the layer is built: 'auto' or a registered
+    name (an unknown one fails here, not at the first forward)."""
+    if name != "auto":
+        get_ops(name)
+    return name
 
 
 def get_ops(name: str) -> KNNConvOps:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..registry import in_storage, is_channels_last
+from ..registry import empty_in_storage, in_storage, is_channels_last
 from .build import get_kernel, neighbourhood_name
 from .launch import MAX_GRID_YZ, ReverseTables, _launch, _pointer, reverse_tables
 
@@ -26,6 +26,7 @@ MAX_TIED_NEIGHBOURS = torch.iinfo(TIES_DTYPE).max
 # knn_depthwise_grad_weight sums a block's contributions per kernel cell in 48 KiB of shared
 # memory (one float per cell).
 MAX_NATIVE_CELLS = 48 * 1024 // 4
+THREADS = 256
 
 
 @dataclass
@@ -49,7 +50,6 @@ def native_tables(knn_indices: torch.Tensor, slot_cells: torch.Tensor | None,
         cells=None if slot_cells is None else slot_cells.to(torch.int32).contiguous(),
         reverse=reverse_tables(knn_indices, cells.t(), nin),
         scale=(1.0 / real.to(torch.float32)).contiguous())
-THREADS = 256
 
 
 def _run(name: str, device: torch.device, extent: int, rows: int, args: tuple, *,
@@ -79,14 +79,6 @@ def _channel_vector(channels: int, dtype: torch.dtype, *tensors: torch.Tensor) -
         t.data_ptr() % (v * t.element_size()) == 0 for t in tensors))
 
 
-def _empty(batch: int, channels: int, nodes: int, dtype: torch.dtype, device: torch.device,
-           channels_last: bool) -> torch.Tensor:
-    """An uninitialised [B, C, N] tensor, in channels-last storage or contiguous."""
-    if channels_last:
-        return torch.empty(batch, nodes, channels, dtype=dtype, device=device).transpose(1, 2)
-    return torch.empty(batch, channels, nodes, dtype=dtype, device=device)
-
-
 def _channels_last_indexable(channels: int, nin: int, nout: int) -> bool:
     """Whether the channels-last kernels' thread index, (node, channel run) within one batch
     element, fits their int."""
@@ -109,8 +101,8 @@ def pool_forward(x: torch.Tensor, knn: torch.Tensor, nin: int, mode: str):
     channels_last = is_channels_last(x) and _channels_last_indexable(channels, nin, nout)
     if not channels_last:
         x = x.contiguous()
-    y = _empty(batch, channels, nout, x.dtype, x.device, channels_last)
-    ties = (_empty(batch, channels, nout, TIES_DTYPE, x.device, channels_last)
+    y = empty_in_storage((batch, channels, nout), channels_last, x.dtype, x.device)
+    ties = (empty_in_storage((batch, channels, nout), channels_last, TIES_DTYPE, x.device)
             if mode == "max" else None)
     mode_code = POOL_MODE_CODES[mode]
     if channels_last:
@@ -150,7 +142,8 @@ def pool_backward(grad_y: torch.Tensor, x: torch.Tensor | None, y: torch.Tensor 
         kernels_channels_last = requested and _channels_last_indexable(channels, nin, nout)
     grad_y, x, y, ties = (None if t is None else in_storage(t, kernels_channels_last)
                           for t in (grad_y, x, y, ties))
-    dx = _empty(batch, channels, nin, grad_y.dtype, grad_y.device, kernels_channels_last)
+    dx = empty_in_storage((batch, channels, nin), kernels_channels_last, grad_y.dtype,
+                          grad_y.device)
     mode_code = POOL_MODE_CODES[mode]
     if kernels_channels_last:
         vector = _channel_vector(channels, grad_y.dtype,
