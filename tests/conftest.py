@@ -167,8 +167,8 @@ class CopyKeepingOps(TorchCompactOps):
     def forward_saving(self, plan, x, weight, bias):
         return self.forward(plan, x, weight, bias), KeptCopy(x.clone())
 
-    def saved_layout(self, plan, batch, dtype):
-        return (batch, plan.cin, plan.nin)
+    def saved_layout(self, plan, x, dtype):
+        return (x.shape[0], plan.cin, plan.nin)
 
     def saved_tensor(self, saved_x):
         return saved_x.tensor

@@ -243,6 +243,8 @@ class KNNConvPlan(GeometryPlan):
         self.p64 = input_linear.shape[1]
         self.q = self.cin * self.v
         self.padding_fraction = float((knn_indices == self.nin).float().mean())
+        # the real (node, neighbour) pairs: what a kernel that skips padding contracts over
+        self.entry_count = int((knn_indices != self.nin).sum())
         self._host = DeviceTables(
             knn_indices.cpu().to(torch.int64).contiguous(),
             rf_index.cpu().to(torch.int64).contiguous(),

@@ -54,7 +54,8 @@ def _(x, weight, bias, plan, backend, dtype, keep):
     y = x.new_empty(x.shape[0], layer.nout, layer.cout, dtype=dtype).transpose(1, 2)
     # forward_impl serves an empty batch with x itself, whatever the backend
     keeps_layout = keep and x.shape[0] != 0
-    layout = get_ops(backend).saved_layout(layer, x.shape[0], dtype) if keeps_layout else None
+    # the strides forward_impl's cast gives x, which decide a backend's path
+    layout = get_ops(backend).saved_layout(layer, x.to(dtype), dtype) if keeps_layout else None
     return y, x.new_empty(layout or (0,), dtype=dtype)
 
 

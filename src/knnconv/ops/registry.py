@@ -89,10 +89,11 @@ class KNNConvOps:
 
     # The compiled path passes forward_saving's re-layout between its two custom ops as a
     # tensor; these say its shape (for the ops' fake implementations) and convert it.
-    def saved_layout(self, plan: KNNConvPlan, batch: int, dtype: torch.dtype):
-        """Shape of the tensor form of forward_saving's re-layout of a [batch, Cin, Nin] x in
-        ``dtype``, or None when forward_saving returns x itself (never asked for batch 0,
-        which knnconv.ops.execute.forward_impl serves with x itself)."""
+    def saved_layout(self, plan: KNNConvPlan, x: torch.Tensor, dtype: torch.dtype):
+        """Shape of the tensor form of forward_saving's re-layout of x [B, Cin, Nin] (already
+        in ``dtype``: its sizes and strides are what counts, the tensor may be fake), or None
+        when forward_saving returns x itself (never asked for batch 0, which
+        knnconv.ops.execute.forward_impl serves with x itself)."""
         return None
 
     def saved_tensor(self, saved_x) -> torch.Tensor:

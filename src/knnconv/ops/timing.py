@@ -95,19 +95,26 @@ def graph_replay_ms(step: Callable[[], Any], device: torch.device, *, warmup: in
 
 
 def random_inputs(plan: KNNConvPlan, batch: int, dtype: torch.dtype,
-                  device: torch.device) -> CellInputs:
-    """Normal x, bias and grad_y, and a weight scaled by 1/sqrt(Cin*K) so y stays O(1)."""
+                  device: torch.device, *, channels_last: bool = False) -> CellInputs:
+    """Normal x, bias and grad_y, and a weight scaled by 1/sqrt(Cin*K) so y stays O(1).
+    ``channels_last``: x and grad_y in channels-last storage (the [B, C, N] view of a
+    contiguous [B, N, C] buffer), as a layer inside a network of KNN layers receives them."""
     generator = torch.Generator(device=device).manual_seed(0)
 
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator, dtype=dtype, device=device)
 
+    def activation(channels: int, nodes: int) -> torch.Tensor:
+        if channels_last:
+            return normal(batch, nodes, channels).transpose(1, 2)
+        return normal(batch, channels, nodes)
+
     weight = normal(plan.cout, plan.q) / math.sqrt(plan.cin * plan.k)
     return CellInputs(
-        x=normal(batch, plan.cin, plan.nin).requires_grad_(),
+        x=activation(plan.cin, plan.nin).requires_grad_(),
         weight=weight.requires_grad_(),
         bias=normal(plan.cout).requires_grad_(),
-        grad_y=normal(batch, plan.cout, plan.nout),
+        grad_y=activation(plan.cout, plan.nout),
     )
 
 

@@ -334,7 +334,9 @@ class Benchmark:
         dtype = DTYPES[dtype_name]
         cell = (name, plan, batch, dtype_name)
         try:
-            inputs = random_inputs(plan, batch, dtype, self.device)
+            # past the image layer, x and grad_y come in the storage KNN layers pass on
+            inputs = random_inputs(plan, batch, dtype, self.device,
+                                   channels_last=not reads_image(plan.cin))
         except torch.cuda.OutOfMemoryError:
             for backend in self.backends:
                 for mode in self._modes(backend):

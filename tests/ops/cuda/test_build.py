@@ -23,7 +23,13 @@ from knnconv.ops.cuda.build import (
     nvrtc_options,
     transpose_name,
 )
-from knnconv.ops.cuda.configs import FAMILIES, KernelConfig, _rules, check_config
+from knnconv.ops.cuda.configs import (
+    CHANNELS_LAST_FAMILIES,
+    FAMILIES,
+    KernelConfig,
+    _rules,
+    check_config,
+)
 from knnconv.ops.cuda.neighbourhood import POOL_MODE_CODES, channel_vectors
 
 ARCHITECTURES = ("sm_80", "sm_90", "sm_120")
@@ -39,6 +45,13 @@ def default_instantiations() -> list[str]:
                 names.add(kernel_name(family, dtype, cfg))
                 if family == "grad_input":  # dx staged in its own dtype
                     names.add(kernel_name(family, dtype, cfg, dtype))
+    for family in CHANNELS_LAST_FAMILIES:
+        for rule in _rules()[family]:
+            cfg = check_config(family, KernelConfig(*rule["config"]))
+            for dtype in (torch.float16, torch.bfloat16):
+                names.add(kernel_name(family, dtype, cfg))
+                if family == "gather_cl":  # dx of a float32 x, stored as float32
+                    names.add(kernel_name(family, dtype, cfg, torch.float32))
     floats = (torch.float32, torch.float16, torch.bfloat16)
     names.update(transpose_name(source, target, pairs) for source in floats for target in floats
                  for pairs in (False, True))
@@ -83,8 +96,11 @@ def test_every_tile_rule_is_a_valid_config():
     assert all(rules[family] for family in FAMILIES)
     configs = {(family, tuple(rule["config"])) for family in FAMILIES for rule in rules[family]}
     per_dtype = sum(2 if family == "grad_input" else 1 for family, _ in configs)
+    channels_last = {(family, tuple(rule["config"])) for family in CHANNELS_LAST_FAMILIES
+                     for rule in rules[family]}
+    per_dtype += sum(2 if family == "gather_cl" else 1 for family, _ in channels_last)
     gemms = [name for name in default_instantiations()
-             if "knn_forward" in name or "knn_grad_" in name]
+             if "knn_forward" in name or "knn_grad_" in name or "knn_gather_cl" in name]
     assert len(gemms) == 2 * per_dtype
 
 
@@ -166,7 +182,7 @@ def test_every_fragment_load_reads_shared_memory_in_both_dtypes(tmp_path):
     # Fragments are always staged in shared memory; a wmma.load without the .shared state
     # space is a generic load ptxas cannot turn into ldmatrix (bf16 ran 1.22-1.31x slower).
     names = [name for name in default_instantiations()
-             if "knn_forward" in name or "knn_grad_" in name]
+             if "knn_forward" in name or "knn_grad_" in name or "knn_gather_cl" in name]
     result = _compile(names, "sm_90", tmp_path, "-ptx")
     assert result.returncode == 0, result.stderr
     loads = re.findall(r"wmma\.load\.[ab]\.[\w.]+", (tmp_path / "kernels").read_text())

@@ -592,7 +592,7 @@ def test_a_kept_relayout_has_the_shape_compile_allocates_for_it(nout, batch):
     weight = torch.randn(plan.cout, plan.q, device=DEVICE, dtype=torch.float16)
     ops = knn_cuda.CudaOps()
     saved = ops.forward_saving(plan, x, weight, None)[1]
-    assert tuple(saved.xt.shape) == ops.saved_layout(plan, batch, torch.float16)
+    assert tuple(saved.xt.shape) == ops.saved_layout(plan, x, torch.float16)
 
 
 def channels_last(t: torch.Tensor) -> torch.Tensor:

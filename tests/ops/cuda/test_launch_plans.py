@@ -94,7 +94,7 @@ def test_the_forward_keys_each_way_it_reads_the_bias(plans):
     # a bias the kernel cannot read in its own dtype is read as fp32, so it is that path
     for converted in (torch.float64, torch.bfloat16):
         bias = torch.zeros(65, dtype=converted)
-        assert forward.bias_read_dtype(bias) == torch.float32
+        assert launch.bias_read_dtype(bias, torch.float16) == torch.float32
         assert forward.kernel_key(bias) == as_fp32
     family, dtype, _, device, walks, vector_stores, _ = absent
     assert (family, dtype, device, vector_stores) == ("forward", torch.float16,
@@ -129,8 +129,9 @@ def test_the_layout_compile_traces_for_a_kept_relayout_is_the_one_the_forward_bu
     forward = launch.ForwardLaunch(batch=batch, cin=plan.cin, nin=plan.nin, cout=plan.cout,
                                    nout=plan.nout, q=plan.q, p64=plan.p64, dtype=torch.float16,
                                    device=torch.device("cuda", 0))
-    assert CudaOps().saved_layout(plan, batch, torch.float16) == (plan.cin * plan.nin + 1,
-                                                                  forward.bpad)
+    x = torch.empty(batch, plan.cin, plan.nin, dtype=torch.float16, device="meta")
+    assert CudaOps().saved_layout(plan, x, torch.float16) == (plan.cin * plan.nin + 1,
+                                                              forward.bpad)
 
 
 def test_a_relayout_reports_the_kernel_and_tile_each_call_takes(plans):

@@ -17,7 +17,7 @@ import torch
 from ...plan import GeometryPlan, KNNConvPlan, NeighbourhoodPlan
 from ..registry import KNNConvOps, in_storage, is_channels_last
 from ..torch_compact import TorchCompactOps
-from . import neighbourhood
+from . import channels_last, neighbourhood
 from .build import (
     MIN_COMPUTE_CAPABILITY,
     clear_modules,
@@ -203,7 +203,40 @@ class CudaOps(KNNConvOps):
         launches = plan.derived(device, "cuda.launches", lambda tables: _RecentLaunches())
         return launches.get(key, build)
 
+    @staticmethod
+    def entries(plan: KNNConvPlan, device: torch.device) -> channels_last.EntryTables:
+        return plan.derived(device, "cuda.entries", lambda t: channels_last.entry_tables(
+            t.knn_indices, t.rf_index, plan.nin))
+
+    @staticmethod
+    def reads_in_place(plan: KNNConvPlan, x_channels_last: bool) -> bool:
+        """Whether a call on x of this storage takes the channels-last kernels, which read x
+        and grad_y in place (the backward then needs x itself, not a re-layout of it)."""
+        return x_channels_last and channels_last.serves(plan.cin, plan.cout)
+
+    def _forward_in_place(self, plan, x, weight, bias):
+        device, batch = x.device, x.shape[0]
+        launch = self._launch_plan(plan, device, ("forward_cl", batch, x.dtype), lambda: (
+            channels_last.ChannelsLastForward(
+                batch=batch, cin=plan.cin, nin=plan.nin, cout=plan.cout, nout=plan.nout,
+                v=plan.v, entries=plan.entry_count, dtype=x.dtype, device=device)))
+        key = launch.kernel_key(bias)
+        first = self._first_use(key)
+        y = launch.run(x, weight, bias, self.entries(plan, device), poison_output=first)
+        if first:
+            self._check(key, y, lambda *args: self._oracle.forward(plan, *args), x, weight, bias)
+        return y
+
     def forward_saving(self, plan, x, weight, bias):
+        if self.reads_in_place(plan, channels_last.is_channels_last_layout(x)):
+            if channels_last.readable(x):
+                return self._forward_in_place(plan, x, weight, bias), x
+            # unaligned: re-laid out this once, but x is what the backward gets (saved_layout
+            # promised no re-layout for this storage)
+            return self._forward_relaying(plan, x, weight, bias)[0], x
+        return self._forward_relaying(plan, x, weight, bias)
+
+    def _forward_relaying(self, plan, x, weight, bias):
         device, batch = x.device, x.shape[0]
         launch = self._launch_plan(plan, device, ("forward", batch, x.dtype), lambda: ForwardLaunch(
             batch=batch, cin=plan.cin, nin=plan.nin, cout=plan.cout, nout=plan.nout, q=plan.q,
@@ -220,7 +253,10 @@ class CudaOps(KNNConvOps):
     def forward(self, plan, x, weight, bias):
         return self.forward_saving(plan, x, weight, bias)[0]
 
-    def saved_layout(self, plan, batch, dtype):
+    def saved_layout(self, plan, x, dtype):
+        if self.reads_in_place(plan, channels_last.is_channels_last_layout(x)):
+            return None
+        batch = x.shape[0]
         return (plan.cin * plan.nin + 1, forward_batch_padding(
             batch, plan.cin, plan.nin, plan.cout, plan.nout, plan.p64))
 
@@ -237,6 +273,10 @@ class CudaOps(KNNConvOps):
         device, batch = grad_y.device, grad_y.shape[0]
         need_input, need_weight, need_bias = needs
         grad_dtypes = tuple(torch.float32 if d is None else d for d in dtypes)
+        x_readable = isinstance(x, torch.Tensor) and channels_last.readable(x)
+        if (channels_last.serves(plan.cin, plan.cout) and (not need_input or dx_channels_last)
+                and (not need_weight or x_readable)):
+            return self._gradients_in_place(plan, grad_y, x, weight, needs, grad_dtypes)
         # a kept re-layout of x is reused only if the backward pads the batch as it is padded
         padding = x.bpad if isinstance(x, TransposedInput) else None
         launch = self._launch_plan(
@@ -255,6 +295,11 @@ class CudaOps(KNNConvOps):
         reverse = self.reverse(plan, device) if gathers else None
         grads = launch.run(grad_y, x, weight, tables.input_linear, tables.weight_linear, reverse,
                            poison=bool(first))
+        self._check_gradients(plan, keys, first, grads, grad_y, x, weight)
+        return grads
+
+    def _check_gradients(self, plan, keys, first, grads, grad_y, x, weight) -> None:
+        """The first-use checks of the gradient kernels named in ``first`` (roles of keys)."""
         oracle = self._oracle
         if "input" in first:
             self._check(keys["input"], grads[0], lambda g, w: oracle.grad_input(plan, g, w),
@@ -265,6 +310,23 @@ class CudaOps(KNNConvOps):
                         grad_y, original)
         if "bias" in first:
             self._check(keys["bias"], grads[2], lambda g: g.sum(dim=(0, 2)), grad_y)
+
+    def _gradients_in_place(self, plan, grad_y, x, weight, needs, grad_dtypes):
+        device, batch = grad_y.device, grad_y.shape[0]
+        need_input, need_weight, need_bias = needs
+        launch = self._launch_plan(
+            plan, device, ("backward_cl", batch, grad_y.dtype, needs, grad_dtypes),
+            lambda: channels_last.ChannelsLastBackward(
+                batch=batch, cin=plan.cin, nin=plan.nin, cout=plan.cout, nout=plan.nout,
+                v=plan.v, entries=plan.entry_count, dtype=grad_y.dtype, device=device,
+                need_input=need_input, need_weight=need_weight, need_bias=need_bias,
+                grad_dtypes=grad_dtypes))
+        keys = launch.kernel_keys
+        first = {role for role, key in keys.items() if self._first_use(key)}
+        grads = launch.run(grad_y, x, weight, self.entries(plan, device) if need_weight else None,
+                           self.reverse(plan, device) if need_input else None,
+                           poison=bool(first))
+        self._check_gradients(plan, keys, first, grads, grad_y, x, weight)
         return grads
 
     def grad_input(self, plan, grad_y, weight):

@@ -99,7 +99,10 @@ def kernel_name(family: str, dtype: torch.dtype, cfg: KernelConfig,
     forward-shaped kernels store (default: the compute dtype for the forward, float32 for
     grad_input's dx staging)."""
     scalar = SCALAR_TYPES[dtype]
-    if family in ("grad_weight", "grad_input_scatter"):
+    if family == "gather_cl":  # stores the compute dtype unless told otherwise
+        out = SCALAR_TYPES[out_dtype or dtype]
+        return f"knnconv::knn_gather_cl<{scalar}, {out}, {cfg.template_args()}>"
+    if family in ("grad_weight", "grad_input_scatter", "grad_weight_cl"):
         return f"knnconv::knn_{family}<{scalar}, {cfg.template_args()}>"
     reverse = family == "grad_input"
     out = SCALAR_TYPES[out_dtype or (torch.float32 if reverse else dtype)]

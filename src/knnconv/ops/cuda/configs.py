@@ -12,6 +12,17 @@ scatter
 grad_weight    slots p              output channels      batch rows
 =============  ===================  ===================  ==========================
 
+The channels-last families read x and grad_y where the layers keep them ([B, N, C], channels
+contiguous), with no re-layout; their K steps are channels of one neighbour (``bk`` must
+divide the contracted width):
+
+=============  ===================  ===================  ==========================
+gather_cl      batch rows           produced channels    channels of one entry:
+               (forward: Cout; dx: Cin)                  Cin (forward), Cout (dx)
+grad_weight_   input channels of    output channels      batch rows
+cl             one entry (divides Cin)
+=============  ===================  ===================  ==========================
+
 grad_input runs the forward kernel over the reversed graph (each input node gathers the
 output nodes that read it), so every dx element is written once, without atomics; layers
 with few input channels use grad_input_scatter instead (slot gradients scattered with fp32
@@ -34,6 +45,7 @@ from typing import NamedTuple
 from ...plan import SLOT_ALIGN
 
 FAMILIES = ("forward", "grad_input", "grad_input_scatter", "grad_weight")
+CHANNELS_LAST_FAMILIES = ("gather_cl", "grad_weight_cl")
 ELEMENT_BYTES = 2
 CHUNK_ELEMENTS = 8
 SHARED_PAD = 8  # must match kPad in kernels/knn_common.cuh
@@ -68,17 +80,20 @@ def shared_memory_bytes(family: str, cfg: KernelConfig) -> int:
     """Dynamic shared memory of one CTA: the staged A and B tiles times stages, plus scratch."""
     m, n, k = cfg.tile_m, cfg.bn, cfg.bk
     a_rows, a_width, b_rows, b_width = {
-        "grad_weight": (m, k, n, k), "grad_input_scatter": (k, m, n, k)}.get(family, (k, m, k, n))
+        "grad_weight": (m, k, n, k), "grad_input_scatter": (k, m, n, k),
+        "gather_cl": (m, k, k, n)}.get(family, (k, m, k, n))
     staged = cfg.ksteps * (a_rows * (a_width + SHARED_PAD) + b_rows * (b_width + SHARED_PAD))
     return staged * ELEMENT_BYTES + cfg.wm * cfg.wn * 16 * 16 * 4
 
 
 def check_config(family: str, cfg: KernelConfig, *, p64: int | None = None,
-                 max_shared_bytes: int = 227 * 1024) -> KernelConfig:
-    """Raise ValueError unless ``cfg`` is a geometry the ``family`` kernel can run
-    (on P64 slots, when ``p64`` is given)."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown kernel family {family!r}; expected one of {FAMILIES}")
+                 width: int | None = None, max_shared_bytes: int = 227 * 1024) -> KernelConfig:
+    """Raise ValueError unless ``cfg`` is a geometry the ``family`` kernel can run (on P64
+    slots, when ``p64`` is given; for a channels-last family, on ``width`` channels per
+    entry: the contracted width of gather_cl, Cin for grad_weight_cl)."""
+    known = FAMILIES + CHANNELS_LAST_FAMILIES
+    if family not in known:
+        raise ValueError(f"unknown kernel family {family!r}; expected one of {known}")
     cfg = KernelConfig(*cfg)
     problems = []
     if cfg.vec != CHUNK_ELEMENTS:
@@ -98,6 +113,11 @@ def check_config(family: str, cfg: KernelConfig, *, p64: int | None = None,
                  "grad_input_scatter": cfg.bn}.get(family)
     if slot_tile is not None and p64 is not None and p64 % slot_tile:
         problems.append(f"the slot tile ({slot_tile}) must divide P64 ({p64})")
+    # a channels-last tile takes channels of one entry: it must divide the entry's channels
+    channel_tile = {"gather_cl": cfg.bk, "grad_weight_cl": cfg.tile_m}.get(family)
+    if channel_tile is not None and width is not None and width % channel_tile:
+        problems.append(f"the channel tile ({channel_tile}) must divide the {width} channels "
+                        "of an entry")
     if not problems and shared_memory_bytes(family, cfg) > max_shared_bytes:
         problems.append(f"needs {shared_memory_bytes(family, cfg)} B of shared memory, "
                         f"over the device's {max_shared_bytes} B")
@@ -116,7 +136,10 @@ def _ctas(cfg: KernelConfig, batch: int, n: int, nodes: int) -> int:
     return nodes * -(-n // cfg.bn) * -(-batch // cfg.tile_m)
 
 
-def _choose(family: str, batch: int, n: int, p64: int, nodes: int | None = None) -> KernelConfig:
+def _choose(family: str, batch: int, n: int, p64: int, nodes: int | None = None,
+            width: int | None = None) -> KernelConfig:
+    """The first rule of ``family`` whose conditions hold; for the channels-last families
+    also the implicit one that the rule's channel tile divides ``width`` (see check_config)."""
     for rule in _rules()[family]:
         if batch > rule.get("max_batch", math.inf) or n > rule.get("max_n", math.inf):
             continue
@@ -126,6 +149,9 @@ def _choose(family: str, batch: int, n: int, p64: int, nodes: int | None = None)
             continue
         config = KernelConfig(*rule["config"])
         if nodes is not None and _ctas(config, batch, n, nodes) < rule.get("min_ctas", 0):
+            continue
+        channel_tile = {"gather_cl": config.bk, "grad_weight_cl": config.tile_m}.get(family)
+        if channel_tile is not None and width % channel_tile:
             continue
         return config
     raise LookupError(f"tiles.json has no {family} rule for batch={batch}, n={n}")
@@ -163,6 +189,33 @@ def default_grad_weight_config(batch, cout, p64) -> KernelConfig:
     P64 allows, with a Cout tile of 256 where Cout is a multiple of it, else 128; else 64
     slots by 128."""
     return _choose("grad_weight", batch, cout, p64)
+
+
+def channels_last_width_multiple() -> int:
+    """The channel counts the channels-last kernels serve are multiples of this (the smallest
+    channel tile of their rules; fewer channels per entry take the re-laying-out kernels)."""
+    rules = _rules()
+    return min(min(KernelConfig(*r["config"]).bk for r in rules["gather_cl"]),
+               min(KernelConfig(*r["config"]).tile_m for r in rules["grad_weight_cl"]))
+
+
+def default_gather_cl_config(batch: int, n: int, width: int, nodes: int) -> KernelConfig:
+    """gather_cl geometry for ``n`` produced channels over entries of ``width`` channels on
+    ``nodes`` nodes (forward: Cout over Cin, Nout; dx: Cin over Cout, Nin)."""
+    return _choose("gather_cl", batch, n, SLOT_ALIGN, nodes, width)
+
+
+def default_grad_weight_cl_config(batch: int, cout: int, cin: int) -> KernelConfig:
+    """grad_weight_cl geometry: a channel tile that divides Cin, Cout tiled by bn."""
+    return _choose("grad_weight_cl", batch, cout, SLOT_ALIGN, None, cin)
+
+
+def default_grad_weight_cl_ksplit(cfg: KernelConfig, batch: int, ctas: int,
+                                  multiprocessors: int) -> int:
+    """Batch slices of grad_weight_cl: enough for about two CTAs per SM (each slice is one
+    more atomic pass over its tile), never more than there are batch steps."""
+    batch_steps = max(1, -(-batch // cfg.bk))
+    return max(1, min(batch_steps, math.ceil(2 * multiprocessors / max(1, ctas))))
 
 
 def default_grad_weight_ksplit(cfg, bpad, cpad, p64, nout, device_index=None, *,

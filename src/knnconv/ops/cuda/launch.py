@@ -408,6 +408,37 @@ def forward_batch_padding(batch: int, cin: int, nin: int, cout: int, nout: int, 
                         *_default_backward_tiles(batch, cin, nin, cout, p64))
 
 
+def bias_read_dtype(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype a forward kernel of compute ``dtype`` reads ``bias`` in: its own if fp32 or
+    the compute dtype (both added in fp32), else fp32."""
+    if bias is None:
+        return None
+    return bias.dtype if bias.dtype in (dtype, torch.float32) else torch.float32
+
+
+def bias_as_read(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """``bias`` as the kernel reads bias[o]: contiguous, converted only where it must be."""
+    if bias is None:
+        return None
+    read = bias_read_dtype(bias, dtype)
+    return bias if bias.dtype == read and bias.is_contiguous() else bias.to(read).contiguous()
+
+
+def biased_kernel_key(key: tuple, bias: torch.Tensor | None, dtype: torch.dtype) -> tuple:
+    """A forward kernel's key with how it reads the bias (fp32, the compute dtype, absent)."""
+    read = bias_read_dtype(bias, dtype)
+    return (*key, None if read is None else read == torch.float32)
+
+
+def poisoned_or_empty_output(shape: tuple, dtype: torch.dtype, device: torch.device,
+                             poison: bool) -> torch.Tensor:
+    """y [B, Cout, Nout] as the view of a contiguous [B, Nout, Cout] buffer (the storage the
+    kernels write), NaN-filled when ``poison``."""
+    batch, cout, nout = shape
+    y = torch.empty(batch, nout, cout, dtype=dtype, device=device).transpose(1, 2)
+    return y.fill_(math.nan) if poison else y
+
+
 class ForwardLaunch:
     """The forward of one (layer sizes, batch, dtype, device): x and W re-layouts + gathered
     GEMM. wt lives in spare room allocated behind xt: one allocation besides y.
@@ -428,7 +459,7 @@ class ForwardLaunch:
         self.nodes_per_cta = _nodes_per_cta(nodes_per_cta, cfg, p64 // cfg.bk,
                                             grid_yz[0] * grid_yz[1], nout, device.index)
         self.cout, self.nout, self.p64, self.dtype = cout, nout, p64, dtype
-        self.y_shape, self.y_strides = (batch, cout, nout), (nout * cout, 1, cout)
+        self.y_shape = (batch, cout, nout)
         self.weight_layout = _weight_transposed(cout, q, self.cpad, dtype, dtype, device.index)
         wt_bytes = q * self.cpad * dtype.itemsize
         self.input_layout = _InputLayout(batch, cin, nin, bpad, dtype, dtype,
@@ -441,35 +472,21 @@ class ForwardLaunch:
         self._kernel_key = ("forward", dtype, cfg, device, self.nodes_per_cta > 1,
                             cout % 8 == 0)
 
-    def bias_read_dtype(self, bias: torch.Tensor | None) -> torch.dtype | None:
-        """The dtype the kernel reads ``bias`` in: its own if fp32 or the compute dtype (both
-        added in fp32), else fp32."""
-        if bias is None:
-            return None
-        return bias.dtype if bias.dtype in (self.dtype, torch.float32) else torch.float32
-
     def kernel_key(self, bias: torch.Tensor | None) -> tuple:
         """The kernel a call with ``bias`` runs: the bias read as fp32, as x's dtype, or absent
         are paths of their own."""
-        read = self.bias_read_dtype(bias)
-        return (*self._kernel_key, None if read is None else read == torch.float32)
+        return biased_kernel_key(self._kernel_key, bias, self.dtype)
 
     def run(self, x, weight, bias, input_linear, weight_linear, *, poison_output=False):
-        """bias: None or any float dtype (see bias_read_dtype)."""
+        """bias: None or any float dtype (see bias_as_read)."""
         dtype = self.dtype
         saved = self.input_layout(x)
         wt = self.input_layout.spare_address(saved.xt)
         if weight.dtype != dtype:
             weight = weight.to(dtype)
         self.weight_layout(weight, wt, (0, weight.stride(0), weight.stride(1)))
-        # y [B, Cout, Nout] as the view of a [B, Nout, Cout] buffer it is returned as
-        y = torch.empty_strided(self.y_shape, self.y_strides, dtype=dtype, device=x.device)
-        if poison_output:
-            y.fill_(math.nan)
-        if bias is not None:  # the kernel reads bias[o]: converted only where it must be
-            read = self.bias_read_dtype(bias)
-            if bias.dtype != read or not bias.is_contiguous():
-                bias = bias.to(read).contiguous()
+        y = poisoned_or_empty_output(self.y_shape, dtype, x.device, poison_output)
+        bias = bias_as_read(bias, dtype)
         self.gemm(saved.xt.data_ptr(), wt, input_linear.data_ptr(), weight_linear.data_ptr(), 0,
                   _pointer(bias), int(bias is not None and bias.dtype == torch.float32),
                   y.data_ptr(), self.batch, self.bpad, self.cout, self.cpad, self.nout, self.p64,

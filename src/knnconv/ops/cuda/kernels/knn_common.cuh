@@ -34,6 +34,14 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
+// cp.async of 16 bytes that writes zeros instead where !valid (gmem is then not read, but
+// must still be a mapped address).
+__device__ __forceinline__ void cp_async_16_or_zero(void* smem, const void* gmem, bool valid) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(gmem),
+               "r"(valid ? 16 : 0));
+}
+
 template <bool kAsync>
 __device__ __forceinline__ void copy_chunk(void* smem, const void* gmem) {
   if constexpr (kAsync) {
@@ -43,22 +51,49 @@ __device__ __forceinline__ void copy_chunk(void* smem, const void* gmem) {
   }
 }
 
-// Copies kRows rows of kWidth elements into shared memory rows of pitch kPitch.
-// row_start(r) gives the global element offset of the first element of row r.
-template <typename T, int kRows, int kWidth, int kPitch, int kThreads, bool kAsync, typename RowStart>
-__device__ __forceinline__ void stage_rows(T* smem, const T* __restrict__ base, RowStart row_start) {
+// Calls chunk(row, col) for this thread's share of the 16-byte chunks of a kRows x kWidth
+// tile (col in elements), the threads of the CTA taking consecutive chunks.
+template <int kRows, int kWidth, int kThreads, typename Chunk>
+__device__ __forceinline__ void for_each_chunk(Chunk chunk) {
   static_assert(kWidth % kChunk == 0, "staged rows must be whole 16-byte chunks");
   constexpr int kChunksPerRow = kWidth / kChunk;
   constexpr int kChunks = kRows * kChunksPerRow;
 #pragma unroll
   for (int i = 0; i < (kChunks + kThreads - 1) / kThreads; ++i) {
-    const int chunk = i * kThreads + static_cast<int>(threadIdx.x);
-    if (kChunks % kThreads == 0 || chunk < kChunks) {
-      const int row = chunk / kChunksPerRow;
-      const int col = (chunk % kChunksPerRow) * kChunk;
-      copy_chunk<kAsync>(smem + row * kPitch + col, base + row_start(row) + col);
+    const int index = i * kThreads + static_cast<int>(threadIdx.x);
+    if (kChunks % kThreads == 0 || index < kChunks) {
+      chunk(index / kChunksPerRow, (index % kChunksPerRow) * kChunk);
     }
   }
+}
+
+// Copies kRows rows of kWidth elements into shared memory rows of pitch kPitch.
+// row_start(r) gives the global element offset of the first element of row r.
+template <typename T, int kRows, int kWidth, int kPitch, int kThreads, bool kAsync, typename RowStart>
+__device__ __forceinline__ void stage_rows(T* smem, const T* __restrict__ base, RowStart row_start) {
+  for_each_chunk<kRows, kWidth, kThreads>([&](int row, int col) {
+    copy_chunk<kAsync>(smem + row * kPitch + col, base + row_start(row) + col);
+  });
+}
+
+// Like stage_rows, for operands whose chunks may lie outside them: chunk_start(r, col)
+// gives the global element offset of row r's elements col.. col+kChunk-1, or -1 for a chunk
+// to fill with zeros.
+template <typename T, int kRows, int kWidth, int kPitch, int kThreads, bool kAsync,
+          typename ChunkStart>
+__device__ __forceinline__ void stage_chunks_or_zero(T* smem, const T* __restrict__ base,
+                                                     ChunkStart chunk_start) {
+  for_each_chunk<kRows, kWidth, kThreads>([&](int row, int col) {
+    const long long start = chunk_start(row, col);
+    T* to = smem + row * kPitch + col;
+    if constexpr (kAsync) {
+      cp_async_16_or_zero(to, base + (start < 0 ? 0 : start), start >= 0);
+    } else if (start >= 0) {
+      *reinterpret_cast<uint4*>(to) = __ldg(reinterpret_cast<const uint4*>(base + start));
+    } else {
+      *reinterpret_cast<uint4*>(to) = make_uint4(0, 0, 0, 0);
+    }
+  });
 }
 
 template <typename T>

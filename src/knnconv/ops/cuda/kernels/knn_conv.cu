@@ -120,6 +120,29 @@ struct WarpTile {
   }
 };
 
+// to[e] = values[e] + bias[j + e] for the e < kChunk with j + e < extent (one 16-byte store
+// where the whole chunk is in range and aligned: extent a multiple of kChunk). The bias comes
+// in the compute dtype T or, sparing the caller a conversion, in float32; none when null.
+template <typename T, typename TOut>
+__device__ __forceinline__ void store_biased_chunk(TOut* to, const float* values, const void* bias,
+                                                   int bias_is_float32, int j, int extent) {
+  auto bias_at = [&](int at) -> float {
+    if (bias == nullptr) return 0.0f;
+    return bias_is_float32 ? static_cast<const float*>(bias)[at]
+                           : to_float(static_cast<const T*>(bias)[at]);
+  };
+  if (extent % kChunk == 0) {
+    float biased[kChunk];
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) biased[e] = values[e] + bias_at(j + e);
+    store_chunk(to, biased);
+  } else {
+    for (int e = 0; e < kChunk && j + e < extent; ++e) {
+      to[e] = from_float<TOut>(values[e] + bias_at(j + e));
+    }
+  }
+}
+
 // Shared memory of a kernel: kStages buffers of an A and a B tile, then one scratch per warp.
 template <typename T, int kStages, int kAElems, int kBElems>
 struct StageBuffers {
@@ -189,30 +212,14 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
     }
   };
 
-  // The bias comes in the compute dtype or, to spare the caller a conversion, in float32.
-  auto bias_at = [&](int o) -> float {
-    if (bias == nullptr) return 0.0f;
-    return bias_is_float32 ? static_cast<const float*>(bias)[o]
-                           : to_float(static_cast<const T*>(bias)[o]);
-  };
   auto store_node = [&](int node) {  // what it needs is computed here, not kept live
     const int row0 = b0 + warp_m * Tile::kFragsM * kFrag;
     const int col0 = o0 + warp_n * Tile::kFragsN * kFrag;
-    const bool vector_rows = cout % kChunk == 0;
     tile.drain_row_chunks(smem.scratch, [&](int r, int c, const float* values) {
       const int b = row0 + r, o = col0 + c;
       if (b >= batch || o >= cout) return;
-      TOut* out = y + (static_cast<size_t>(b) * nout + node) * cout + o;
-      if (vector_rows) {  // the whole 8-wide chunk is in range and 16-byte aligned
-        float biased[kChunk];
-#pragma unroll
-        for (int e = 0; e < kChunk; ++e) biased[e] = values[e] + bias_at(o + e);
-        store_chunk(out, biased);
-      } else {
-        for (int e = 0; e < kChunk && o + e < cout; ++e) {
-          out[e] = from_float<TOut>(values[e] + bias_at(o + e));
-        }
-      }
+      store_biased_chunk<T>(y + (static_cast<size_t>(b) * nout + node) * cout + o, values,
+                            bias, bias_is_float32, o, cout);
     });
   };
 
@@ -396,6 +403,184 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
     if (in_rows[p] != pad_row) {
       atomicAdd(dwt + static_cast<size_t>(w_rows[p]) * cpad + col0 + c, value);
     }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Channels-last kernels: the operands are read where the layers keep them, [B, N, C] with the
+// channels contiguous, so neither x nor grad_y is re-laid out. A node's contraction runs over
+// its entries (the real neighbours, or in reverse the (output node, cell) pairs that read it)
+// times the channels of each entry, kTileK channels of one entry per contraction tile; every
+// staged row is a run of 16-byte chunks along the channels.
+//
+//   act  [B, rows, width] (batch stride act_batch_stride): x for the forward, grad_y for dx
+//   cells [V, width, n_pitch]: the weight by cell, cells[v, i, j] = W's entry for the
+//        contracted channel i of cell v and the produced channel j, zero past the N extent
+//   node n's entries: entry_start[n] <= e < entry_start[n + 1], each reading act row
+//        entry_row[e] through cell entry_cell[e]
+//
+// Both kernels ask for kResidentThreads per SM in their launch bounds (at most 128 registers a
+// thread): a stated occupancy target; without one, ptxas chose 40-80 registers for some tiles
+// and spilled.
+constexpr int kResidentThreads = 512;
+
+// knn_gather_cl: out[b, n, j] = bias[j] + sum_e sum_i act[b, entry_row[e], i] *
+// cells[entry_cell[e], i, j], M = batch, N = produced channels, K = (entry, channel). Each
+// output element is written once. A CTA walks nodes_per_cta consecutive nodes in one pipeline.
+template <typename T, typename TOut, int kTileM, int kTileN, int kTileK, int kWarpsM,
+          int kWarpsN, int kStages, bool kAsync>
+__global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
+                                  kResidentThreads / (kWarpsM * kWarpsN * kWarp))
+    knn_gather_cl(const T* __restrict__ act, long long act_batch_stride, int width,
+                  const T* __restrict__ cells, int n_pitch, const int* __restrict__ entry_start,
+                  const int* __restrict__ entry_row, const int* __restrict__ entry_cell,
+                  const void* __restrict__ bias, int bias_is_float32, TOut* __restrict__ out,
+                  int batch, int n_extent, int nodes, int nodes_per_cta) {
+  constexpr int kThreads = kWarpsM * kWarpsN * kWarp;
+  constexpr int kAPitch = kTileK + kPad, kBPitch = kTileN + kPad;
+  constexpr int kAElems = kTileM * kAPitch, kBElems = kTileK * kBPitch;
+  extern __shared__ __align__(128) unsigned char shared_raw[];
+  const int warp = threadIdx.x / kWarp;
+  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
+  StageBuffers<T, kStages, kAElems, kBElems> smem(shared_raw, warp);
+  WarpTile<T, kTileM, kTileN, kWarpsM, kWarpsN> tile;
+  using Tile = decltype(tile);
+
+  const int first_node = blockIdx.x * nodes_per_cta;
+  const int last_node = min(first_node + nodes_per_cta, nodes);
+  const int j0 = blockIdx.y * kTileN;
+  const int b0 = blockIdx.z * kTileM;
+  const int tiles_per_entry = width / kTileK;
+  const int first_entry = entry_start[first_node];
+  const int tiles = (entry_start[last_node] - first_entry) * tiles_per_entry;
+
+  auto store_node = [&](int node) {
+    const int row0 = b0 + warp_m * Tile::kFragsM * kFrag;
+    const int col0 = j0 + warp_n * Tile::kFragsN * kFrag;
+    tile.drain_row_chunks(smem.scratch, [&](int r, int c, const float* values) {
+      const int b = row0 + r, j = col0 + c;
+      if (b >= batch || j >= n_extent) return;
+      store_biased_chunk<T>(out + (static_cast<size_t>(b) * nodes + node) * n_extent + j,
+                            values, bias, bias_is_float32, j, n_extent);
+    });
+  };
+
+  // load and compute each see the tiles in order: walk (entry, channel tile) without dividing
+  int load_entry = first_entry, load_channel = 0;
+  int compute_entry = first_entry, compute_channel = 0, computed = 0;
+  int store_at = first_node;
+  auto load = [&](int tile_index, int stage) {
+    if (tile_index == tiles) return;  // the pipeline's last step computes nothing (see below)
+    const long long row = entry_row[load_entry];
+    const long long cell_row = static_cast<long long>(entry_cell[load_entry]) * width;
+    const int i0 = load_channel * kTileK;
+    if (++load_channel == tiles_per_entry) {
+      load_channel = 0;
+      ++load_entry;
+    }
+    stage_chunks_or_zero<T, kTileM, kTileK, kAPitch, kThreads, kAsync>(
+        smem.a + stage * kAElems, act, [&](int r, int col) -> long long {
+          const int b = b0 + r;
+          return b < batch ? b * act_batch_stride + row * width + i0 + col : -1;
+        });
+    stage_rows<T, kTileK, kTileN, kBPitch, kThreads, kAsync>(
+        smem.b + stage * kBElems, cells,
+        [&](int r) { return (cell_row + i0 + r) * n_pitch + j0; });
+  };
+  // Each step first stores the nodes whose entries all come before its tile (nodes without
+  // entries too); one step past the last tile stores the rest. One call site of store_node:
+  // a second inlined copy of the drain made ptxas spill.
+  auto compute = [&](int stage) {
+    if (compute_channel == 0) {
+      while (store_at < last_node && entry_start[store_at + 1] <= compute_entry) {
+        store_node(store_at++);
+        tile.zero();
+      }
+    }
+    if (computed++ == tiles) return;
+    const T* a = smem.a + stage * kAElems;
+    const T* b = smem.b + stage * kBElems;
+#pragma unroll
+    for (int kk = 0; kk < kTileK; kk += kFrag) {
+      tile.template multiply<wmma::row_major, wmma::row_major>(
+          [&](int i) { return a + (warp_m * Tile::kFragsM + i) * kFrag * kAPitch + kk; },
+          [&](int j) { return b + kk * kBPitch + (warp_n * Tile::kFragsN + j) * kFrag; },
+          kAPitch, kBPitch);
+    }
+    if (++compute_channel == tiles_per_entry) {
+      compute_channel = 0;
+      ++compute_entry;
+    }
+  };
+  tile.zero();
+  pipeline<kStages>(0, tiles + 1, load, compute);
+}
+
+// dW by cell: grad_cells[entry_cell[e], i, j] += sum_b x[b, entry_row[e], i] *
+// grad_y[b, entry_node[e], j] over every entry e, M = input channels (kTileM of one entry),
+// N = output channels, K = batch, accumulated with fp32 atomics. Grid: (entries x channel
+// tiles, N tiles, batch slices of k_tiles_per_split tiles).
+template <typename T, int kTileM, int kTileN, int kTileK, int kWarpsM, int kWarpsN, int kStages,
+          bool kAsync>
+__global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
+                                  kResidentThreads / (kWarpsM * kWarpsN * kWarp))
+    knn_grad_weight_cl(const T* __restrict__ x, long long x_batch_stride, int cin,
+                       const T* __restrict__ grad_y, long long grad_batch_stride, int cout,
+                       const int* __restrict__ entry_node, const int* __restrict__ entry_row,
+                       const int* __restrict__ entry_cell, float* __restrict__ grad_cells,
+                       int n_pitch, int batch, int k_tiles_per_split) {
+  constexpr int kThreads = kWarpsM * kWarpsN * kWarp;
+  constexpr int kAPitch = kTileM + kPad, kBPitch = kTileN + kPad;
+  constexpr int kAElems = kTileK * kAPitch, kBElems = kTileK * kBPitch;
+  extern __shared__ __align__(128) unsigned char shared_raw[];
+  const int warp = threadIdx.x / kWarp;
+  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
+  StageBuffers<T, kStages, kAElems, kBElems> smem(shared_raw, warp);
+  WarpTile<T, kTileM, kTileN, kWarpsM, kWarpsN> tile;
+  using Tile = decltype(tile);
+
+  const int channel_tiles = cin / kTileM;
+  const int entry = blockIdx.x / channel_tiles;
+  const int i0 = (blockIdx.x % channel_tiles) * kTileM;
+  const int j0 = blockIdx.y * kTileN;
+  const int first = blockIdx.z * k_tiles_per_split;
+  const int last = min(first + k_tiles_per_split, (batch + kTileK - 1) / kTileK);
+  if (first >= last) return;
+  const long long x_row = static_cast<long long>(entry_row[entry]) * cin + i0;
+  const long long grad_row = static_cast<long long>(entry_node[entry]) * cout + j0;
+
+  tile.zero();
+  auto load = [&](int k_tile, int stage) {
+    const int k0 = k_tile * kTileK;
+    stage_chunks_or_zero<T, kTileK, kTileM, kAPitch, kThreads, kAsync>(
+        smem.a + stage * kAElems, x, [&](int r, int col) -> long long {
+          const int b = k0 + r;
+          return b < batch ? b * x_batch_stride + x_row + col : -1;
+        });
+    stage_chunks_or_zero<T, kTileK, kTileN, kBPitch, kThreads, kAsync>(
+        smem.b + stage * kBElems, grad_y, [&](int r, int col) -> long long {
+          const int b = k0 + r;
+          return b < batch && j0 + col < cout ? b * grad_batch_stride + grad_row + col : -1;
+        });
+  };
+  auto compute = [&](int stage) {
+    const T* a = smem.a + stage * kAElems;
+    const T* b = smem.b + stage * kBElems;
+#pragma unroll
+    for (int kk = 0; kk < kTileK; kk += kFrag) {
+      tile.template multiply<wmma::col_major, wmma::row_major>(
+          [&](int i) { return a + kk * kAPitch + (warp_m * Tile::kFragsM + i) * kFrag; },
+          [&](int j) { return b + kk * kBPitch + (warp_n * Tile::kFragsN + j) * kFrag; },
+          kAPitch, kBPitch);
+    }
+  };
+  pipeline<kStages>(first, last, load, compute);
+
+  const int row0 = i0 + warp_m * Tile::kFragsM * kFrag;
+  const int col0 = j0 + warp_n * Tile::kFragsN * kFrag;
+  float* cell = grad_cells + static_cast<size_t>(entry_cell[entry]) * cin * n_pitch;
+  tile.template drain<false>(smem.scratch, [&](int r, int c, float value) {
+    atomicAdd(cell + static_cast<size_t>(row0 + r) * n_pitch + col0 + c, value);
   });
 }
 

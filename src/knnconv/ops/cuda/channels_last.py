@@ -1,0 +1,276 @@
+"""Launch plans of the channels-last kernels: x and grad_y read where the layers keep them.
+
+A KNN layer's activations live in channels-last storage (the [B, C, N] view of a contiguous
+[B, N, C] buffer). The kernels of knn_conv.cu's channels-last section gather whole 16-byte runs
+along the channels of each neighbour straight from that storage, so neither x nor grad_y is
+re-laid out: the forward and dx are one gather-GEMM kernel (knn_gather_cl: over each output
+node's real neighbours, or over each input node's (output node, cell) pairs), dW is
+knn_grad_weight_cl, and only the weight, which is small, is re-laid out by cell. dx is written
+in channels-last storage, in its own dtype, by the kernel itself.
+
+They serve layers whose channel counts are multiples of :func:`channels_last_width_multiple`
+(every layer of the published fovi models past the first); :func:`serves` says whether a call
+can take them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .configs import (
+    KernelConfig,
+    channels_last_width_multiple,
+    check_config,
+    default_gather_cl_config,
+    default_grad_weight_cl_config,
+    default_grad_weight_cl_ksplit,
+)
+from .launch import (
+    MAX_GRID_YZ,
+    ReverseTables,
+    _Carve,
+    _Gemm,
+    _multiprocessors,
+    _nodes_per_cta,
+    _pointer,
+    _round_up,
+    _shared_memory_limit,
+    _Transpose,
+    _weight_by_cell,
+    _zero,
+    bias_as_read,
+    biased_kernel_key,
+    checked_ksplit,
+    poisoned_or_empty_output,
+)
+
+VECTOR_BYTES = 16  # every staged run is whole 16-byte chunks
+
+
+@dataclass
+class EntryTables:
+    """Each output node's real neighbours, padding left out: node n reads input node row[e]
+    through kernel cell cell[e] for start[n] <= e < start[n + 1]; node[e] is e's node."""
+
+    start: torch.Tensor  # int32 [Nout + 1]
+    row: torch.Tensor  # int32 [entries]
+    cell: torch.Tensor  # int32 [entries]
+    node: torch.Tensor  # int32 [entries]
+
+    @property
+    def count(self) -> int:
+        return self.row.shape[0]
+
+
+def entry_tables(knn_indices: torch.Tensor, rf_index: torch.Tensor, nin: int) -> EntryTables:
+    """EntryTables of a layer (knn_indices [K, Nout], rf_index [Nout, K]), on their device."""
+    k, nout = knn_indices.shape
+    neighbours = knn_indices.t()
+    real = neighbours != nin
+    start = torch.zeros(nout + 1, dtype=torch.int64, device=knn_indices.device)
+    start[1:] = torch.cumsum(real.sum(dim=1), 0)
+    nodes = torch.arange(nout, device=knn_indices.device).unsqueeze(1).expand(nout, k)
+    return EntryTables(start.int(), neighbours[real].int().contiguous(),
+                       rf_index[real].int().contiguous(), nodes[real].int().contiguous())
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """Whether every row of channels-last t starts on a 16-byte boundary (channel counts are
+    multiples of the channel tile, so only the address and the batch stride can break it)."""
+    per_vector = VECTOR_BYTES // t.element_size()
+    return t.data_ptr() % VECTOR_BYTES == 0 and (t.shape[0] == 1 or t.stride(0) % per_vector == 0)
+
+
+def is_channels_last_layout(t: torch.Tensor) -> bool:
+    """Whether [B, C, N] t has its channels contiguous and its nodes C apart (any batch stride):
+    the storage the kernels read in place."""
+    _, channels, nodes = t.shape
+    return (channels == 1 or t.stride(1) == 1) and (nodes == 1 or t.stride(2) == channels)
+
+
+def serves(cin: int, cout: int) -> bool:
+    """Whether a layer's channel counts suit the channels-last kernels."""
+    multiple = channels_last_width_multiple()
+    return cin % multiple == 0 and cout % multiple == 0
+
+
+def readable(t: torch.Tensor) -> bool:
+    """Whether the kernels read [B, C, N] t in place (layout and 16-byte alignment)."""
+    return is_channels_last_layout(t) and _aligned(t)
+
+
+def _in_readable_storage(t: torch.Tensor) -> torch.Tensor:
+    if readable(t):
+        return t
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _batch_tiles(batch: int, cfg: KernelConfig) -> int:
+    """knn_gather_cl's CTAs along the batch (its grid's z extent)."""
+    tiles = -(-batch // cfg.tile_m)
+    if tiles > MAX_GRID_YZ:
+        raise ValueError(f"a batch of {batch} exceeds CUDA's grid limit for tiles of "
+                         f"{cfg.tile_m} rows; split the batch")
+    return tiles
+
+
+class ChannelsLastForward:
+    """The forward of one (layer sizes, batch, dtype, device) on channels-last x: the weight
+    re-laid out by cell (wc [V, Cin, cpad], wc[v, c, o] = W[o, c*V + v]) and knn_gather_cl over
+    each output node's real neighbours. y comes in channels-last storage."""
+
+    def __init__(self, *, batch: int, cin: int, nin: int, cout: int, nout: int, v: int,
+                 entries: int, dtype: torch.dtype, device: torch.device,
+                 config: KernelConfig | None = None, nodes_per_cta: int | None = None) -> None:
+        index = device.index
+        self.cfg = cfg = check_config(
+            "gather_cl", config or default_gather_cl_config(batch, cout, cin, nout), width=cin,
+            max_shared_bytes=_shared_memory_limit(index))
+        self.batch, self.cin, self.cout, self.nout, self.v, self.dtype = (batch, cin, cout,
+                                                                          nout, v, dtype)
+        self.cpad = cpad = _round_up(cout, cfg.bn)
+        grid_yz = (cpad // cfg.bn, _batch_tiles(batch, cfg))
+        mean_tiles = max(1, entries // max(1, nout)) * (cin // cfg.bk)
+        self.nodes_per_cta = _nodes_per_cta(nodes_per_cta, cfg, mean_tiles,
+                                            grid_yz[0] * grid_yz[1], nout, index)
+        self.weight_layout = _Transpose(dtype, dtype, index, (v, cout, cin), (v, cpad, cin),
+                                        (cin * cpad, cpad))
+        self.gemm = _Gemm("gather_cl", cfg, dtype, index,
+                          (-(-nout // self.nodes_per_cta), *grid_yz))
+        self._kernel_key = ("gather_cl", dtype, cfg, device, self.nodes_per_cta > 1,
+                            cout % 8 == 0)
+
+    def kernel_key(self, bias: torch.Tensor | None) -> tuple:
+        return biased_kernel_key(self._kernel_key, bias, self.dtype)
+
+    def run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            entries: EntryTables, *, poison_output: bool = False) -> torch.Tensor:
+        """y [B, Cout, Nout], the view of a contiguous [B, Nout, Cout] buffer; x must be
+        :func:`readable`."""
+        dtype, cin, cout, nout = self.dtype, self.cin, self.cout, self.nout
+        if weight.dtype != dtype:
+            weight = weight.to(dtype)
+        cells = torch.empty(self.v * cin * self.cpad, dtype=dtype, device=x.device)
+        self.weight_layout(weight, cells.data_ptr(),
+                           (weight.stride(1), weight.stride(0), self.v * weight.stride(1)))
+        y = poisoned_or_empty_output((self.batch, cout, nout), dtype, x.device, poison_output)
+        bias = bias_as_read(bias, dtype)
+        self.gemm(x.data_ptr(), x.stride(0), cin, cells.data_ptr(), self.cpad,
+                  entries.start.data_ptr(), entries.row.data_ptr(), entries.cell.data_ptr(),
+                  _pointer(bias), int(bias is not None and bias.dtype == torch.float32),
+                  y.data_ptr(), self.batch, cout, nout, self.nodes_per_cta)
+        return y
+
+
+class ChannelsLastBackward:
+    """The backward of one (layer sizes, batch, dtypes, device, needed gradients) on
+    channels-last grad_y and x, with no re-layout of either.
+
+    dx: knn_gather_cl over each input node's (output node, cell) pairs, reading grad_y and the
+    weight by cell (wr [V, Cout, cinpad], wr[v, o, c] = W[o, c*V + v]); each element written
+    once, in dx's dtype, channels-last. dW: knn_grad_weight_cl into an fp32 accumulator by cell
+    [V, Cin, cpad] (fp32 atomics, the batch split in ``ksplit`` slices), restored to [Cout,
+    Cin*V] in W's gradient dtype. The bias gradient: an fp32 sum of grad_y.
+    """
+
+    def __init__(self, *, batch: int, cin: int, nin: int, cout: int, nout: int, v: int,
+                 entries: int, dtype: torch.dtype, device: torch.device,
+                 need_input: bool = True, need_weight: bool = True, need_bias: bool = False,
+                 grad_dtypes=(torch.float32, torch.float32, torch.float32),
+                 input_config: KernelConfig | None = None,
+                 weight_config: KernelConfig | None = None, ksplit: int | None = None,
+                 nodes_per_cta: int | None = None) -> None:
+        index = device.index
+        limit = _shared_memory_limit(index)
+        self.batch, self.cin, self.nin, self.cout, self.nout, self.v = (batch, cin, nin, cout,
+                                                                        nout, v)
+        self.dtype, self.grad_dtypes, self.device = dtype, grad_dtypes, device
+        self.need_input, self.need_weight, self.need_bias = need_input, need_weight, need_bias
+        self.kernel_keys: dict[str, tuple] = {}
+        carve = _Carve()
+        if need_input:
+            gi = check_config("gather_cl", input_config or default_gather_cl_config(
+                batch, cin, cout, nin), width=cout, max_shared_bytes=limit)
+            self.cinpad = _round_up(cin, gi.bn)
+            grid_yz = (self.cinpad // gi.bn, _batch_tiles(batch, gi))
+            mean_tiles = max(1, entries // max(1, nin)) * (cout // gi.bk)
+            self.nodes_per_cta = _nodes_per_cta(nodes_per_cta, gi, mean_tiles,
+                                                grid_yz[0] * grid_yz[1], nin, index)
+            self.weight_at = carve.add(v * cout * self.cinpad * dtype.itemsize)
+            self.weight_layout = _weight_by_cell(cout, cin, v, cout, self.cinpad, dtype, dtype,
+                                                 index)
+            self.input_gemm = _Gemm("gather_cl", gi, dtype, index,
+                                    (-(-nin // self.nodes_per_cta), *grid_yz),
+                                    out_dtype=grad_dtypes[0])
+            self.kernel_keys["input"] = ("gather_cl", dtype, gi, device, self.nodes_per_cta > 1,
+                                         cin % 8 == 0, grad_dtypes[0])
+        self.zero_from = carve.size
+        if need_weight:
+            gw = check_config("grad_weight_cl", weight_config or default_grad_weight_cl_config(
+                batch, cout, cin), width=cin, max_shared_bytes=limit)
+            self.wpad = _round_up(cout, gw.bn)
+            ctas = entries * (cin // gw.tile_m) * (self.wpad // gw.bn)
+            k_steps = -(-batch // gw.bk)
+            if ksplit is None:
+                ksplit = default_grad_weight_cl_ksplit(gw, batch, ctas, _multiprocessors(index))
+            else:
+                ksplit = checked_ksplit(ksplit, k_steps, batch, gw.bk)
+            self.per_split = -(-k_steps // ksplit)
+            splits = -(-k_steps // self.per_split)
+            if splits > MAX_GRID_YZ:
+                raise ValueError(f"{splits} batch slices exceed CUDA's grid limit")
+            self.weight_gemm = _Gemm("grad_weight_cl", gw, dtype, index,
+                                     (max(1, entries * (cin // gw.tile_m)), self.wpad // gw.bn,
+                                      splits))
+            self.has_entries = entries > 0
+            self.dw_at = carve.add(v * cin * self.wpad * 4)
+            # dw[o, c*V + v] = acc[v, c, o]: z = c, a = v (dw's fastest), c = o
+            self.restore_dw = _Transpose(torch.float32, grad_dtypes[1], index, (cin, v, cout),
+                                         (cin, v, cout), (v, cin * v))
+            self.kernel_keys["weight"] = ("grad_weight_cl", dtype, gw, device, torch.float32)
+        self.zero_bytes = carve.size - self.zero_from
+        self.workspace_bytes = carve.size
+
+    def run(self, grad_y: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor | None,
+            entries: EntryTables | None, reverse: ReverseTables | None, *,
+            poison: bool = False):
+        """(dx, dW, dbias), None for a gradient not needed. grad_y: [B, Cout, Nout], copied to
+        channels-last storage unless the kernels can read it in place; x: readable
+        channels-last [B, Cin, Nin] (for dW); entries: the forward's tables (dW); reverse:
+        the reversed graph (dx). poison: NaN-fill the outputs first."""
+        device, index = grad_y.device, self.device.index
+        batch, cin, nin, cout, v = self.batch, self.cin, self.nin, self.cout, self.v
+        new = (lambda *a, **k: torch.full(*a, math.nan, **k)) if poison else torch.empty
+        grad_y = _in_readable_storage(grad_y)
+        workspace = torch.empty(max(1, self.workspace_bytes), dtype=torch.uint8, device=device)
+        base = workspace.data_ptr()
+        if self.zero_bytes:
+            _zero(base + self.zero_from, self.zero_bytes, index)
+        dx = dw = db = None
+        if self.need_input:
+            if weight.dtype != self.dtype:
+                weight = weight.to(self.dtype)
+            cells = base + self.weight_at
+            s_out, s_in = weight.stride()
+            self.weight_layout(weight, cells, (s_out, v * s_in, s_in))
+            dx = new((batch, nin, cin), dtype=self.grad_dtypes[0], device=device).transpose(1, 2)
+            self.input_gemm(grad_y.data_ptr(), grad_y.stride(0), cout, cells, self.cinpad,
+                            reverse.pair_start.data_ptr(), reverse.pair_node.data_ptr(),
+                            reverse.pair_cell.data_ptr(), 0, 0, dx.data_ptr(), batch, cin, nin,
+                            self.nodes_per_cta)
+        if self.need_weight:
+            accumulator = base + self.dw_at
+            if self.has_entries:
+                self.weight_gemm(x.data_ptr(), x.stride(0), cin, grad_y.data_ptr(),
+                                 grad_y.stride(0), cout, entries.node.data_ptr(),
+                                 entries.row.data_ptr(), entries.cell.data_ptr(), accumulator,
+                                 self.wpad, batch, self.per_split)
+            dw = new((cout, cin * v), dtype=self.grad_dtypes[1], device=device)
+            self.restore_dw.launch_raw(accumulator, dw.data_ptr(), (self.wpad, cin * self.wpad,
+                                                                    1))
+        if self.need_bias:
+            db = grad_y.sum(dim=(0, 2), dtype=torch.float32).to(self.grad_dtypes[2])
+        return dx, dw, db
