@@ -23,6 +23,8 @@ EDGE_SHAPES = [  # (batch, cin, cout, nin, nout, k, v, padding)
     (129, 64, 65, 30, 3, 9, 9, 0.8),
     (33, 3, 130, 4, 5, 8, 9, 0.0),  # K > Nin: padding slots
     (64, 8, 34, 200, 96, 9, 9, 0.2),  # even strides, wide extents: transpose_pairs
+    (17, 16, 32, 40, 9, 9, 9, 0.3),  # channels multiples of 16: the channels-last kernels
+    (65, 64, 48, 30, 1, 7, 25, 0.5),
 ]
 
 
@@ -53,13 +55,19 @@ def run_case(batch, cin, cout, nin, nout, k, v, padding, dtype, generator) -> fl
     # more input channels; the others scatter) is staged in.
     leaf = x.clone().requires_grad_()
     knnconv.knn_conv(leaf, weight, None, plan, "cuda").backward(grad_y)
+    # x and grad_y in channels-last storage, as KNN layers pass them on: the channels-last
+    # kernels where the channel counts allow
+    leaf_cl = x.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+    weight_cl = weight.clone().requires_grad_()
+    knnconv.knn_conv(leaf_cl, weight_cl, None, plan, "cuda").backward(
+        grad_y.transpose(1, 2).contiguous().transpose(1, 2))
     reference = knnconv.get_ops("reference")
     y_ref = reference.forward(plan, x.double(), weight.double(), None)
     dx_ref, dw_ref = reference.backward_combined(plan, grad_y.double(), x.double(),
                                                  weight.double())
     return worst([relative_error(a, b) for a, b in
                   ((y, y_ref), (dx, dx_ref), (dx_scattered, dx_ref), (leaf.grad, dx_ref),
-                   (dw, dw_ref))])
+                   (dw, dw_ref), (leaf_cl.grad, dx_ref), (weight_cl.grad, dw_ref))])
 
 
 def run_neighbourhood_case(batch, cin, cout, nin, nout, k, v, padding, dtype,

@@ -671,3 +671,26 @@ def test_either_dx_algorithm_writes_all_of_a_channels_last_dx(dtype, algorithm, 
         assert rel_err(value, expected) < GRAD_TOLERANCE  # NaN (an unwritten entry) fails
     if algorithm == "gather":
         assert torch.equal(dx_last, dx)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_channels_last_grad_y_is_transposed_node_by_node_with_its_bias_gradient(dtype):
+    # three input channels keep the re-laying-out kernels; grad_y in the storage y has takes
+    # the per-node transpose and a separate bias sum, a contiguous one the summing transpose
+    from knnconv.ops.cuda.launch import BackwardLaunch
+
+    plan, x, weight, bias, grad_y = make_case(12, batch=33, cin=3, cout=70, dtype=dtype,
+                                              nin=60, nout=29, k=9, padding=0.2)
+    tables = plan.on(DEVICE)
+    launch = BackwardLaunch(batch=33, cin=plan.cin, nin=plan.nin, cout=plan.cout,
+                            nout=plan.nout, q=plan.q, p64=plan.p64, dtype=dtype,
+                            device=torch.device("cuda", torch.cuda.current_device()),
+                            need_input=False, need_bias=True)
+    assert launch.to_gt_by_node is not None
+    _, dx_ref, dw_ref = reference(plan, x, weight, bias, grad_y)
+    db_ref = grad_y.double().sum(dim=(0, 2))
+    for storage in (grad_y.contiguous(), grad_y.transpose(1, 2).contiguous().transpose(1, 2)):
+        _, dw, db = launch.run(storage, x, weight, tables.input_linear, tables.weight_linear,
+                               None, poison=True)
+        assert rel_err(dw, dw_ref) < GRAD_TOLERANCE
+        assert not torch.isnan(db).any() and rel_err(db, db_ref) < GRAD_TOLERANCE

@@ -108,6 +108,13 @@ def _in_readable_storage(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+def _indexed(device: torch.device) -> torch.device:
+    """``device`` with its index ('cuda' means the current device)."""
+    if device.index is None:
+        return torch.device(device.type, torch.cuda.current_device())
+    return device
+
+
 def _batch_tiles(batch: int, cfg: KernelConfig) -> int:
     """knn_gather_cl's CTAs along the batch (its grid's z extent)."""
     tiles = -(-batch // cfg.tile_m)
@@ -125,6 +132,7 @@ class ChannelsLastForward:
     def __init__(self, *, batch: int, cin: int, nin: int, cout: int, nout: int, v: int,
                  entries: int, dtype: torch.dtype, device: torch.device,
                  config: KernelConfig | None = None, nodes_per_cta: int | None = None) -> None:
+        device = _indexed(device)
         index = device.index
         self.cfg = cfg = check_config(
             "gather_cl", config or default_gather_cl_config(batch, cout, cin, nout), width=cin,
@@ -183,6 +191,7 @@ class ChannelsLastBackward:
                  input_config: KernelConfig | None = None,
                  weight_config: KernelConfig | None = None, ksplit: int | None = None,
                  nodes_per_cta: int | None = None) -> None:
+        device = _indexed(device)
         index = device.index
         limit = _shared_memory_limit(index)
         self.batch, self.cin, self.nin, self.cout, self.nout, self.v = (batch, cin, nin, cout,

@@ -586,6 +586,13 @@ class BackwardLaunch:
             self.xt_at = None if fits else carve.add((rows + 1) * bpad * item)
         self.to_gt = _Transpose(dtype, dtype, index, (cout, batch, nout), (gpad, bpad, nout),
                                 (bpad, gpad * bpad), sums_z=need_bias)
+        # grad_y in channels-last storage (as y is returned) is transposed node by node, read
+        # along its channels: transposing it channel by channel, as to_gt does, reads elements
+        # Cout apart (conv1's grad_y at B = 2048 took ~3 ms). Its bias gradient is then a sum
+        # of its own, since the per-node transpose sums per node.
+        self.to_gt_by_node = (_Transpose(dtype, dtype, index, (nout, batch, cout),
+                                         (nout, bpad, gpad), (gpad * bpad, bpad))
+                              if nout <= MAX_GRID_YZ and cout > 1 else None)
         # dx is staged before its layout is restored: in float32 where atomics sum it
         # (scatter), in dx's own dtype where that is the compute dtype and the gather writes
         # each element once from fp32 accumulators (rounding as a later conversion would, in
@@ -672,7 +679,14 @@ class BackwardLaunch:
             _zero(base + self.zero_from, self.zero_bytes, index)
         gt = base + self.gt_at
         sb, so, sn = grad_y.stride()
-        self.to_gt(grad_y, gt, (so, sb, sn), base + self.db_at if self.need_bias else 0)
+        by_node = self.to_gt_by_node is not None and so == 1 and sn == self.cout
+        if by_node:
+            self.to_gt_by_node(grad_y, gt, (sn, sb, so))
+            if self.need_bias:
+                torch.sum(grad_y, dim=(0, 2), dtype=torch.float32,
+                          out=workspace[self.db_at:self.db_at + 4 * self.cout].view(torch.float32))
+        else:
+            self.to_gt(grad_y, gt, (so, sb, sn), base + self.db_at if self.need_bias else 0)
         dx = dw = db = None
         if self.need_input:
             if weight.dtype != self.dtype:
