@@ -64,7 +64,7 @@ stage bench_bf16 60 python3 -m knnconv.tools.bench --geometry "$geometry" --out 
   --dtypes bfloat16 --backends cuda --name h200_bf16 --repeats 10 --warmup 2
 rm -f "$out/h200_bf16.csv" "$out/h200_bf16.png"
 stage memcheck 40 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_kernels.py
-stage racecheck 50 compute-sanitizer --tool racecheck --error-exitcode 9 \
+stage racecheck 150 compute-sanitizer --tool racecheck --error-exitcode 9 \
   python3 scripts/sanitize_kernels.py
 stage initcheck 40 compute-sanitizer --tool initcheck --error-exitcode 9 \
   python3 scripts/sanitize_kernels.py

@@ -112,11 +112,12 @@ def test_every_output_matches_float64(dtype, name):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_every_tile_rule_and_walk_length_matches_float64(dtype):
-    # Cin = Cout = 128 suits every rule's channel tile; Nout = 37 leaves a ragged last CTA
+    # Cin = 384 suits every rule's channel tile (16 ... 128, and 96); Nout = 37 leaves a
+    # ragged last CTA
     gather = [configs.KernelConfig(*r["config"]) for r in configs._rules()["gather_cl"]]
     weight = [configs.KernelConfig(*r["config"]) for r in configs._rules()["grad_weight_cl"]]
     for index in range(max(len(gather), len(weight))):
-        case = make_case(100 + index, batch=70, cin=128, cout=128, dtype=dtype, nin=50,
+        case = make_case(100 + index, batch=70, cin=384, cout=128, dtype=dtype, nin=50,
                          nout=37, k=9, padding=0.2, collisions=True, v=16)
         check(*case, forward_cfg=gather[index % len(gather)],
               input_cfg=gather[(index + 1) % len(gather)],
