@@ -1,7 +1,9 @@
 """The anchor measured in the same run as knnconv's cuda backend: fovi 2.4.0's native-CUDA
 KNN convolution (`fovi.arch.knn_cuda` through its `KNNConvFunction`, the system of
-shared/anchors.md) against `knnconv.knn_conv(..., "cuda")` on the same layers, operands and
-host, timed as `knnconv bench` times (median of CUDA-event-bracketed calls after warm-up).
+shared/anchors.md) against `knnconv.knn_conv(..., "cuda")` on the same layers and host, each
+on random operands in the storage its own network passes between layers (fovi's contiguous,
+knnconv's channels-last past the image layer), timed as `knnconv bench` times (median of
+CUDA-event-bracketed calls after warm-up).
 
 Two ways of calling: with the same x and grad_y every call and the weight unchanged (how
 `knnconv bench` and shared/anchors.md time), and with what a training step sees, a new x and
@@ -129,15 +131,24 @@ def memory_baseline(backend: str) -> int:
     return torch.cuda.memory_allocated()
 
 
+def operands_as_passed(layer, batch: int, backend: str):
+    """Random operands in the storage each backend's own network passes between its layers:
+    fovi's layers take and return contiguous [B, C, N]; knnconv's return channels-last
+    storage, which the next layer reads as it is (the image layer reads a contiguous x)."""
+    channels_last = backend == "cuda" and not reads_image(layer.cin)
+    return random_inputs(layer.plan(), batch, torch.float16, DEVICE,
+                         channels_last=channels_last)
+
+
 def measure_cell(layer, batch: int, timing: dict) -> list[dict]:
-    inputs = random_inputs(layer.plan(), batch, torch.float16, DEVICE)
-    fresh = fresh_operands(inputs)
     rows = []
     for backend in BACKENDS:
+        inputs = operands_as_passed(layer, batch, backend)
+        fresh = fresh_operands(inputs)
         before = memory_baseline(backend)
         forward = layer_forward(backend, layer.plan(), inputs)  # a plan of its own
 
-        def train_step(forward=forward):
+        def train_step(forward=forward, inputs=inputs):
             forward().backward(inputs.grad_y)
 
         def forward_step(forward=forward):
@@ -169,7 +180,7 @@ def network_peak_mib(directory: Path, model: str, batch: int, backend: str) -> f
     network, the three-channel first layer's input needs no gradient and each input's
     gradient is dropped once computed (the layer before would consume it)."""
     layers = load_geometry_dir(directory, [f"{model}:"], repeats=True)
-    operands = [random_inputs(layer.plan(), batch, torch.float16, DEVICE) for layer in layers]
+    operands = [operands_as_passed(layer, batch, backend) for layer in layers]
     for layer, inputs in zip(layers, operands, strict=True):
         needs_grad = not reads_image(layer.cin)
         inputs.x.requires_grad_(needs_grad)
