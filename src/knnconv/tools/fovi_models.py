@@ -178,6 +178,10 @@ def time_cell(models: PathModels, path: str, mode: str, batch: int, args: argpar
     try:
         x, labels = models.inputs(path, batch, device)
         step = training_step(module, forward, x, labels, device, graph=mode == "graph")
+        if mode == "eager":
+            # one step first: its one-off allocations (first-use checks, tables built on
+            # first use) are not the footprint of a training step
+            step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
