@@ -191,6 +191,7 @@ def default_grad_weight_config(batch, cout, p64) -> KernelConfig:
     return _choose("grad_weight", batch, cout, p64)
 
 
+@cache  # asked on every call of the hot path
 def channels_last_width_multiple() -> int:
     """The channel counts the channels-last kernels serve are multiples of this (the smallest
     channel tile of their rules; fewer channels per entry take the re-laying-out kernels)."""
