@@ -185,3 +185,13 @@ def test_a_transposed_knn_table_is_named_as_the_fault():
     rf = torch.randint(0, 5, (7, 4))
     with pytest.raises(ValueError, match=r"knn_indices must be \[K, Nout\], rf_index \[Nout, K\]"):
         make_plan(knn.t().contiguous(), rf, nin=10, v=5, cin=2, cout=3)
+
+
+def test_a_plan_pickled_before_it_counted_its_entries_still_counts_them():
+    knn = torch.tensor([[0, 1, 3], [2, 3, 1]])  # Nin = 3 pads two slots
+    plan = make_plan(knn, torch.zeros(3, 2, dtype=torch.int64), nin=3, v=1, cin=2, cout=2)
+    state = plan.__getstate__()
+    state.pop("entry_count", None)  # what an older version pickled
+    older = KNNConvPlan.__new__(KNNConvPlan)
+    older.__setstate__(state)
+    assert older.entry_count == plan.entry_count == 4

@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -243,8 +244,6 @@ class KNNConvPlan(GeometryPlan):
         self.p64 = input_linear.shape[1]
         self.q = self.cin * self.v
         self.padding_fraction = float((knn_indices == self.nin).float().mean())
-        # the real (node, neighbour) pairs: what a kernel that skips padding contracts over
-        self.entry_count = int((knn_indices != self.nin).sum())
         self._host = DeviceTables(
             knn_indices.cpu().to(torch.int64).contiguous(),
             rf_index.cpu().to(torch.int64).contiguous(),
@@ -272,6 +271,12 @@ class KNNConvPlan(GeometryPlan):
     @property
     def rf_index(self) -> torch.Tensor:
         return self._host.rf_index
+
+    @cached_property
+    def entry_count(self) -> int:
+        """The real (node, neighbour) pairs: what a kernel that skips padding contracts over.
+        Derived on first use, so plans pickled before it existed still have it."""
+        return int((self._host.knn_indices != self.nin).sum())
 
     def __repr__(self) -> str:
         return (
