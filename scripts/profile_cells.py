@@ -21,13 +21,15 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import knnconv
-from knnconv.tools.bench import load_geometry_dir, random_inputs
+from knnconv.tools.bench import load_geometry_dir, random_inputs, reads_image
 
 
 def profile_cell(layer, batch: int) -> None:
     device = torch.device("cuda")
     plan = layer.plan()
-    inputs = random_inputs(plan, batch, torch.float16, device)
+    # the storage a network of KNN layers passes on, as knnconv bench times them
+    inputs = random_inputs(plan, batch, torch.float16, device,
+                           channels_last=not reads_image(plan.cin))
     x, weight, bias, grad = inputs.x, inputs.weight, inputs.bias, inputs.grad_y
 
     def step():  # gradients cleared first, as a training step's zero_grad does
