@@ -127,7 +127,7 @@ def main(argv: list[str]) -> None:
     geometry, out = Path(argv[0]), Path(argv[1])
     [layer] = [entry for entry in load_geometry_dir(geometry, [LAYER]) if entry.name == LAYER]
     plan = layer.plan()
-    inputs = random_inputs(plan, BATCH, torch.float16, DEVICE)
+    inputs = random_inputs(plan, BATCH, torch.float16, DEVICE, channels_last=True)  # as passed on
     x, weight, bias, grad_y = inputs.x, inputs.weight, inputs.bias, inputs.grad_y
     y_shape = (BATCH, plan.cout, plan.nout)
 
