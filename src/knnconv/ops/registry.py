@@ -25,13 +25,18 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def channels_fastest(t: torch.Tensor) -> bool:
+    """Whether [B, C, N] t has its channels contiguous and its nodes C apart, whatever its
+    batch stride (a batch slice of channels-last storage); size-1 dimensions may have any
+    stride. Read from the sizes and strides alone: it runs on every call of the hot paths."""
+    _, channels, nodes = t.shape
+    return (channels == 1 or t.stride(1) == 1) and (nodes == 1 or t.stride(2) == channels)
+
+
 def _channels_last_strides(t: torch.Tensor) -> bool:
-    """Whether [B, C, N] t has the strides of a transposed contiguous [B, N, C] buffer (size-1
-    dimensions may have any stride). Read from the sizes and strides alone: it runs on every
-    call of the hot paths."""
+    """Whether [B, C, N] t has the strides of a transposed contiguous [B, N, C] buffer."""
     batch, channels, nodes = t.shape
-    return ((channels == 1 or t.stride(1) == 1) and (nodes == 1 or t.stride(2) == channels)
-            and (batch == 1 or t.stride(0) == channels * nodes))
+    return channels_fastest(t) and (batch == 1 or t.stride(0) == channels * nodes)
 
 
 def is_channels_last(t: torch.Tensor) -> bool:

@@ -9,6 +9,7 @@ import torch
 from conftest import random_geometry, with_all_padding_node
 from knnconv import make_plan
 from knnconv.ops.cuda import CudaOps, channels_last, configs
+from knnconv.ops.registry import channels_fastest
 
 
 @pytest.mark.parametrize("padding,all_padding_node", [(0.0, False), (0.4, True)])
@@ -76,5 +77,5 @@ def test_the_backward_of_an_in_place_forward_keeps_x_itself():
     assert ops.saved_layout(plan, x_in("contiguous", 64), torch.float16) is not None
     odd = geometry.plan(cin=24, cout=32)
     assert ops.saved_layout(odd, x_in("channels_last", 24), torch.float16) is not None
-    assert channels_last.is_channels_last_layout(x_in("channels_last", 64))
-    assert not channels_last.is_channels_last_layout(x_in("contiguous", 64))
+    assert channels_fastest(x_in("channels_last", 64))
+    assert not channels_fastest(x_in("contiguous", 64))

@@ -22,6 +22,7 @@ pytest.importorskip("cupy")
 
 from knnconv.ops import cuda as knn_cuda  # noqa: E402
 from knnconv.ops.cuda import channels_last  # noqa: E402
+from knnconv.ops.registry import channels_fastest  # noqa: E402
 
 DTYPES = (torch.float16, torch.bfloat16)
 FORWARD_TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -148,16 +149,17 @@ def test_a_batch_slice_and_a_contiguous_grad_y_are_read_correctly():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_training_through_knn_conv_takes_the_channels_last_kernels(dtype):
-    # a channels-last activation under autocast: fp32 master weights, dx in x's storage
+def test_the_training_impls_take_the_channels_last_kernels(dtype):
+    # forward_impl / backward_impl, as the autograd Function and the custom ops run them, on
+    # a channels-last activation: fp32 master weights cast to the compute dtype, dx in x's
+    # storage
     plan, x, weight, bias, grad_y = make_case(9, batch=129, cin=64, cout=96, dtype=dtype,
                                               nin=80, nout=41, k=9, padding=0.1)
     ops = knn_cuda.CudaOps()
     x = x.requires_grad_()
     w32 = weight.float().requires_grad_()
     b32 = bias.float().requires_grad_()
-    with torch.autocast("cuda", dtype=dtype):
-        y = knnconv.ops.execute.forward_impl(plan, ops, x, w32, b32, dtype, False)[0]
+    y = knnconv.ops.execute.forward_impl(plan, ops, x, w32, b32, dtype, False)[0]
     grads = knnconv.ops.execute.backward_impl(plan, ops, grad_y, x.detach(), w32.detach(),
                                               (True, True, True),
                                               (dtype, torch.float32, torch.float32), dtype,
@@ -179,7 +181,7 @@ def test_an_unaligned_channels_last_x_is_served_and_the_backward_gets_x():
     storage = torch.empty(5 * 20 * 32 + 1, dtype=torch.float16, device=DEVICE)
     shifted = storage[1:].view(5, 20, 32).transpose(1, 2)  # 2 bytes off 16-byte alignment
     shifted.copy_(x)
-    assert channels_last.is_channels_last_layout(shifted) and not channels_last.readable(shifted)
+    assert channels_fastest(shifted) and not channels_last.readable(shifted)
     ops = knn_cuda.CudaOps()
     y, saved = ops.forward_saving(plan, shifted, weight, bias)
     assert saved is shifted

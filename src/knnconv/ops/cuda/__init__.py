@@ -15,7 +15,7 @@ from collections import OrderedDict
 import torch
 
 from ...plan import GeometryPlan, KNNConvPlan, NeighbourhoodPlan
-from ..registry import KNNConvOps, in_storage, is_channels_last
+from ..registry import KNNConvOps, channels_fastest, in_storage, is_channels_last
 from ..torch_compact import TorchCompactOps
 from . import channels_last, neighbourhood
 from .build import (
@@ -228,7 +228,7 @@ class CudaOps(KNNConvOps):
         return y
 
     def forward_saving(self, plan, x, weight, bias):
-        if self.reads_in_place(plan, channels_last.is_channels_last_layout(x)):
+        if self.reads_in_place(plan, channels_fastest(x)):
             if channels_last.readable(x):
                 return self._forward_in_place(plan, x, weight, bias), x
             # unaligned: re-laid out this once, but x is what the backward gets (saved_layout
@@ -254,7 +254,7 @@ class CudaOps(KNNConvOps):
         return self.forward_saving(plan, x, weight, bias)[0]
 
     def saved_layout(self, plan, x, dtype):
-        if self.reads_in_place(plan, channels_last.is_channels_last_layout(x)):
+        if self.reads_in_place(plan, channels_fastest(x)):
             return None
         batch = x.shape[0]
         return (plan.cin * plan.nin + 1, forward_batch_padding(
@@ -273,9 +273,9 @@ class CudaOps(KNNConvOps):
         device, batch = grad_y.device, grad_y.shape[0]
         need_input, need_weight, need_bias = needs
         grad_dtypes = tuple(torch.float32 if d is None else d for d in dtypes)
-        x_readable = isinstance(x, torch.Tensor) and channels_last.readable(x)
         if (channels_last.serves(plan.cin, plan.cout) and (not need_input or dx_channels_last)
-                and (not need_weight or x_readable)):
+                and (not need_weight or (isinstance(x, torch.Tensor)
+                                         and channels_last.readable(x)))):
             return self._gradients_in_place(plan, grad_y, x, weight, needs, grad_dtypes)
         # a kept re-layout of x is reused only if the backward pads the batch as it is padded
         padding = x.bpad if isinstance(x, TransposedInput) else None

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..registry import channels_fastest
 from .configs import (
     KernelConfig,
     channels_last_width_multiple,
@@ -84,13 +85,6 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % VECTOR_BYTES == 0 and (t.shape[0] == 1 or t.stride(0) % per_vector == 0)
 
 
-def is_channels_last_layout(t: torch.Tensor) -> bool:
-    """Whether [B, C, N] t has its channels contiguous and its nodes C apart (any batch stride):
-    the storage the kernels read in place."""
-    _, channels, nodes = t.shape
-    return (channels == 1 or t.stride(1) == 1) and (nodes == 1 or t.stride(2) == channels)
-
-
 def serves(cin: int, cout: int) -> bool:
     """Whether a layer's channel counts suit the channels-last kernels."""
     multiple = channels_last_width_multiple()
@@ -99,7 +93,7 @@ def serves(cin: int, cout: int) -> bool:
 
 def readable(t: torch.Tensor) -> bool:
     """Whether the kernels read [B, C, N] t in place (layout and 16-byte alignment)."""
-    return is_channels_last_layout(t) and _aligned(t)
+    return channels_fastest(t) and _aligned(t)
 
 
 def _in_readable_storage(t: torch.Tensor) -> torch.Tensor:
