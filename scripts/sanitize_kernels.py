@@ -25,6 +25,7 @@ EDGE_SHAPES = [  # (batch, cin, cout, nin, nout, k, v, padding)
     (64, 8, 34, 200, 96, 9, 9, 0.2),  # even strides, wide extents: transpose_pairs
     (17, 16, 32, 40, 9, 9, 9, 0.3),  # channels multiples of 16: the channels-last kernels
     (65, 64, 48, 30, 1, 7, 25, 0.5),
+    (33, 3, 72, 40, 11, 25, 16, 0.2),  # an image layer: dW reads channels-last grad_y
 ]
 
 
@@ -59,15 +60,19 @@ def run_case(batch, cin, cout, nin, nout, k, v, padding, dtype, generator) -> fl
     # kernels where the channel counts allow
     leaf_cl = x.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
     weight_cl = weight.clone().requires_grad_()
-    knnconv.knn_conv(leaf_cl, weight_cl, None, plan, "cuda").backward(
-        grad_y.transpose(1, 2).contiguous().transpose(1, 2))
+    grad_y_cl = grad_y.transpose(1, 2).contiguous().transpose(1, 2)
+    knnconv.knn_conv(leaf_cl, weight_cl, None, plan, "cuda").backward(grad_y_cl)
+    # x without a gradient (an image): dW alone, reading channels-last grad_y where it can
+    weight_image = weight.clone().requires_grad_()
+    knnconv.knn_conv(x, weight_image, None, plan, "cuda").backward(grad_y_cl)
     reference = knnconv.get_ops("reference")
     y_ref = reference.forward(plan, x.double(), weight.double(), None)
     dx_ref, dw_ref = reference.backward_combined(plan, grad_y.double(), x.double(),
                                                  weight.double())
     return worst([relative_error(a, b) for a, b in
                   ((y, y_ref), (dx, dx_ref), (dx_scattered, dx_ref), (leaf.grad, dx_ref),
-                   (dw, dw_ref), (leaf_cl.grad, dx_ref), (weight_cl.grad, dw_ref))])
+                   (dw, dw_ref), (leaf_cl.grad, dx_ref), (weight_cl.grad, dw_ref),
+                   (weight_image.grad, dw_ref))])
 
 
 def run_neighbourhood_case(batch, cin, cout, nin, nout, k, v, padding, dtype,

@@ -45,6 +45,8 @@ def default_instantiations() -> list[str]:
                 names.add(kernel_name(family, dtype, cfg))
                 if family == "grad_input":  # dx staged in its own dtype
                     names.add(kernel_name(family, dtype, cfg, dtype))
+                if family == "grad_weight":  # reading channels-last grad_y in place
+                    names.add(kernel_name(family, dtype, cfg, grad_in_place=True))
     for family in CHANNELS_LAST_FAMILIES:
         for rule in _rules()[family]:
             cfg = check_config(family, KernelConfig(*rule["config"]))
@@ -91,11 +93,12 @@ def _compile(names: list[str], arch: str, tmp_path, *flags: str) -> subprocess.C
 def test_every_tile_rule_is_a_valid_config():
     # default_instantiations raises on an invalid rule; every family must have rules, and
     # each distinct (family, config) gives one kernel per dtype (grad_input two: dx staged in
-    # float32 or in the compute dtype).
+    # float32 or in the compute dtype; grad_weight two: grad_y re-laid out or read in place).
     rules = _rules()
     assert all(rules[family] for family in FAMILIES)
     configs = {(family, tuple(rule["config"])) for family in FAMILIES for rule in rules[family]}
-    per_dtype = sum(2 if family == "grad_input" else 1 for family, _ in configs)
+    per_dtype = sum(2 if family in ("grad_input", "grad_weight") else 1
+                    for family, _ in configs)
     channels_last = {(family, tuple(rule["config"])) for family in CHANNELS_LAST_FAMILIES
                      for rule in rules[family]}
     per_dtype += sum(2 if family == "gather_cl" else 1 for family, _ in channels_last)
@@ -217,3 +220,16 @@ def test_host_constants_match_the_kernel_headers():
     assert values["kLogTransposeElements"] == launch.LOG_TRANSPOSE_ELEMENTS
     assert values["kTransposeThreads"] == launch.TRANSPOSE_THREADS
     assert values["kPairsTile"] == launch.PAIRS_TILE
+
+
+def test_every_kernel_takes_no_more_arguments_than_a_launch_holds():
+    # a launch writes its arguments into MAX_KERNEL_ARGS parameter slots: a kernel with more
+    # would fail on its first launch, which only a GPU run would show
+    from knnconv.ops.cuda.launch import MAX_KERNEL_ARGS
+
+    source = "\n".join(path.read_text() for path in KERNEL_DIR.glob("*.c*"))
+    signatures = re.findall(r"__global__[^{;]*?\b(\w+)\s*\(([^)]*)\)\s*\{", source)
+    assert len(signatures) >= 8
+    for name, parameters in signatures:
+        count = len([p for p in parameters.split(",") if p.strip()])
+        assert count <= MAX_KERNEL_ARGS, (name, count)

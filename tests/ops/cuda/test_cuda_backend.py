@@ -694,3 +694,92 @@ def test_a_channels_last_grad_y_is_transposed_node_by_node_with_its_bias_gradien
                                None, poison=True)
         assert rel_err(dw, dw_ref) < GRAD_TOLERANCE
         assert not torch.isnan(db).any() and rel_err(db, db_ref) < GRAD_TOLERANCE
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cfg", every_config("forward"), ids=str)
+@pytest.mark.parametrize("nodes_per_cta", (1, 3, 8))
+def test_the_forward_runs_each_nodes_real_slots_from_its_staged_tables(dtype, cfg,
+                                                                       nodes_per_cta):
+    # Cin*K = 69 real slots of P64 = 128: each node runs 69 rounded up to the K tile, reading
+    # its slot tables from shared memory; a walk of several nodes (and the last CTA's shorter
+    # walk: Nout = 29) reads each node's own tables. bin collisions and padding included.
+    from knnconv.ops.cuda.launch import ForwardLaunch
+
+    if nodes_per_cta > 1 and cfg.threads > configs.WALKING_MAX_THREADS:
+        pytest.skip("16-warp tiles run one node per CTA")
+    plan, x, weight, bias, grad_y = make_case(nodes_per_cta, batch=37, cin=3, cout=80,
+                                              dtype=dtype, nin=60, nout=29, k=23, padding=0.2,
+                                              collisions=True, v=9)
+    assert plan.p64 == 128 and plan.cin * plan.k == 69
+    tables = plan.on(DEVICE)
+    launch = ForwardLaunch(batch=37, cin=3, nin=plan.nin, cout=80, nout=plan.nout, q=plan.q,
+                           p64=plan.p64, dtype=dtype, device=torch.device(
+                               "cuda", torch.cuda.current_device()), config=cfg,
+                           nodes_per_cta=nodes_per_cta, slots=69)
+    assert launch.slots == -(-69 // cfg.bk) * cfg.bk
+    y, _ = launch.run(x, weight, bias, tables.input_linear, tables.weight_linear,
+                      poison_output=True)
+    y_ref = reference(plan, x, weight, bias, grad_y)[0]
+    assert not torch.isnan(y).any(), "unwritten (poisoned) forward outputs"
+    assert rel_err(y, y_ref) < FORWARD_TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch", (1, 17, 129))
+@pytest.mark.parametrize("cout", (8, 80, 144))
+@pytest.mark.parametrize("ksplit", (1, 2))
+def test_an_image_layers_weight_gradient_reads_channels_last_grad_y_in_place(dtype, batch,
+                                                                            cout, ksplit):
+    # x without a gradient (the image): dW reads grad_y where it lies, rows past the batch and
+    # channels past Cout as zeros; grad_y a batch slice of a wider buffer (its batch stride is
+    # not Cout*Nout). The bias gradient is summed from the same storage.
+    from knnconv.ops.cuda.launch import BackwardLaunch
+
+    plan, x, weight, bias, grad_y = make_case(batch + cout, batch=batch, cin=3, cout=cout,
+                                              dtype=dtype, nin=50, nout=31, k=25, padding=0.2,
+                                              collisions=True, v=16)
+    tables = plan.on(DEVICE)
+    device = torch.device("cuda", torch.cuda.current_device())
+    wider = torch.randn(batch + 3, plan.nout, cout, device=DEVICE).to(dtype)
+    wider[1:batch + 1] = grad_y.transpose(1, 2)
+    grad_slice = wider[1:batch + 1].transpose(1, 2)
+    assert grad_slice.stride(0) == plan.nout * cout and grad_slice.storage_offset() > 0
+    _, _, dw_ref = reference(plan, x, weight, bias, grad_y)
+    db_ref = grad_y.double().sum(dim=(0, 2))
+    launch = BackwardLaunch(batch=batch, cin=3, nin=plan.nin, cout=cout, nout=plan.nout,
+                            q=plan.q, p64=plan.p64, dtype=dtype, device=device,
+                            need_input=False, need_bias=True, ksplit=min(ksplit, 1 + batch // 64),
+                            grad_y_in_place=True)
+    assert launch.gt_at is None  # no re-layout of grad_y
+    _, dw, db = launch.run(grad_slice, x, None, tables.input_linear, tables.weight_linear, None,
+                           poison=True)
+    assert rel_err(dw, dw_ref) < GRAD_TOLERANCE  # NaN (an unwritten entry) fails
+    assert rel_err(db, db_ref) < GRAD_TOLERANCE
+    # the ops take this path for an x without a gradient and channels-last grad_y
+    ops = knn_cuda.CudaOps()
+    _, dw_ops, db_ops = ops.gradients(plan, grad_slice, x, weight, (False, True, True),
+                                      (None, torch.float32, torch.float32))
+    launches = plan.derived(DEVICE, "cuda.launches", lambda tables: None)
+    assert any(key[0] == "backward" and key[-1] for key in launches._plans)
+    assert rel_err(dw_ops, dw_ref) < GRAD_TOLERANCE
+    assert rel_err(db_ops, db_ref) < GRAD_TOLERANCE
+
+
+def test_reading_grad_y_in_place_is_refused_where_it_cannot_serve():
+    from knnconv.ops.cuda.launch import BackwardLaunch
+
+    plan, x, weight, _, grad_y = make_case(3, batch=9, cin=3, cout=80, dtype=torch.float16,
+                                           nin=30, nout=12, k=9)
+    device = torch.device("cuda", torch.cuda.current_device())
+    common = dict(batch=9, cin=3, nin=plan.nin, nout=plan.nout, q=plan.q, p64=plan.p64,
+                  dtype=torch.float16, device=device, grad_y_in_place=True)
+    with pytest.raises(ValueError, match="dW and the bias gradient alone"):
+        BackwardLaunch(cout=80, need_input=True, **common)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        BackwardLaunch(cout=70, need_input=False, **common)
+    launch = BackwardLaunch(cout=80, need_input=False, **common)
+    tables = plan.on(DEVICE)
+    with pytest.raises(ValueError, match="channels-last storage"):
+        launch.run(grad_y.contiguous(), x, None, tables.input_linear, tables.weight_linear,
+                   None)

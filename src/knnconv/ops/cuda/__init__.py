@@ -47,6 +47,7 @@ from .launch import (
     forward_batch_padding,
     grad_input,
     grad_weight,
+    readable,
     reverse_tables,
 )
 
@@ -240,7 +241,7 @@ class CudaOps(KNNConvOps):
         device, batch = x.device, x.shape[0]
         launch = self._launch_plan(plan, device, ("forward", batch, x.dtype), lambda: ForwardLaunch(
             batch=batch, cin=plan.cin, nin=plan.nin, cout=plan.cout, nout=plan.nout, q=plan.q,
-            p64=plan.p64, dtype=x.dtype, device=device))
+            p64=plan.p64, dtype=x.dtype, device=device, slots=plan.cin * plan.k))
         key = launch.kernel_key(bias)
         first = self._first_use(key)
         tables = plan.on(device)
@@ -279,15 +280,19 @@ class CudaOps(KNNConvOps):
             return self._gradients_in_place(plan, grad_y, x, weight, needs, grad_dtypes)
         # a kept re-layout of x is reused only if the backward pads the batch as it is padded
         padding = x.bpad if isinstance(x, TransposedInput) else None
+        # without dx (an image layer's), dW reads channels-last grad_y where it lies
+        grad_y_in_place = need_weight and not need_input and readable(grad_y)
         launch = self._launch_plan(
             plan, device,
-            ("backward", batch, grad_y.dtype, needs, grad_dtypes, padding, dx_channels_last),
+            ("backward", batch, grad_y.dtype, needs, grad_dtypes, padding, dx_channels_last,
+             grad_y_in_place),
             lambda: BackwardLaunch(batch=batch, cin=plan.cin, nin=plan.nin, cout=plan.cout,
                                    nout=plan.nout, q=plan.q, p64=plan.p64, dtype=grad_y.dtype,
                                    device=device, need_input=need_input,
                                    need_weight=need_weight, need_bias=need_bias,
                                    grad_dtypes=grad_dtypes, batch_padding=padding,
-                                   dx_channels_last=dx_channels_last))
+                                   dx_channels_last=dx_channels_last,
+                                   grad_y_in_place=grad_y_in_place))
         keys = launch.kernel_keys
         first = {role for role, key in keys.items() if self._first_use(key)}
         tables = plan.on(device)

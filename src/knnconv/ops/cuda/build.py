@@ -94,15 +94,19 @@ def _search_include_dir(forced: Path | None) -> str:
 
 
 def kernel_name(family: str, dtype: torch.dtype, cfg: KernelConfig,
-                out_dtype: torch.dtype | None = None) -> str:
+                out_dtype: torch.dtype | None = None, *, grad_in_place: bool = False) -> str:
     """The NVRTC name expression of one gathered-GEMM instantiation. ``out_dtype``: what the
     forward-shaped kernels store (default: the compute dtype for the forward, float32 for
-    grad_input's dx staging)."""
+    grad_input's dx staging). ``grad_in_place``: grad_weight reading channels-last grad_y
+    itself instead of its batch-contiguous re-layout."""
     scalar = SCALAR_TYPES[dtype]
     if family == "gather_cl":  # stores the compute dtype unless told otherwise
         out = SCALAR_TYPES[out_dtype or dtype]
         return f"knnconv::knn_gather_cl<{scalar}, {out}, {cfg.template_args()}>"
-    if family in ("grad_weight", "grad_input_scatter", "grad_weight_cl"):
+    if family == "grad_weight":
+        in_place = "true" if grad_in_place else "false"
+        return f"knnconv::knn_grad_weight<{scalar}, {cfg.template_args()}, {in_place}>"
+    if family in ("grad_input_scatter", "grad_weight_cl"):
         return f"knnconv::knn_{family}<{scalar}, {cfg.template_args()}>"
     reverse = family == "grad_input"
     out = SCALAR_TYPES[out_dtype or (torch.float32 if reverse else dtype)]

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..registry import channels_fastest
 from .configs import (
     KernelConfig,
     channels_last_width_multiple,
@@ -46,9 +45,8 @@ from .launch import (
     biased_kernel_key,
     checked_ksplit,
     poisoned_or_empty_output,
+    readable,
 )
-
-VECTOR_BYTES = 16  # every staged run is whole 16-byte chunks
 
 
 @dataclass
@@ -78,22 +76,10 @@ def entry_tables(knn_indices: torch.Tensor, rf_index: torch.Tensor, nin: int) ->
                        rf_index[real].int().contiguous(), nodes[real].int().contiguous())
 
 
-def _aligned(t: torch.Tensor) -> bool:
-    """Whether every row of channels-last t starts on a 16-byte boundary (channel counts are
-    multiples of the channel tile, so only the address and the batch stride can break it)."""
-    per_vector = VECTOR_BYTES // t.element_size()
-    return t.data_ptr() % VECTOR_BYTES == 0 and (t.shape[0] == 1 or t.stride(0) % per_vector == 0)
-
-
 def serves(cin: int, cout: int) -> bool:
     """Whether a layer's channel counts suit the channels-last kernels."""
     multiple = channels_last_width_multiple()
     return cin % multiple == 0 and cout % multiple == 0
-
-
-def readable(t: torch.Tensor) -> bool:
-    """Whether the kernels read [B, C, N] t in place (layout and 16-byte alignment)."""
-    return channels_fastest(t) and _aligned(t)
 
 
 def _in_readable_storage(t: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,7 @@ CHANNELS_LAST_FAMILIES = ("gather_cl", "grad_weight_cl")
 ELEMENT_BYTES = 2
 CHUNK_ELEMENTS = 8
 SHARED_PAD = 8  # must match kPad in kernels/knn_common.cuh
+TABLE_BYTES = 4  # an int32 slot-table entry
 
 
 class KernelConfig(NamedTuple):
@@ -76,14 +77,19 @@ class KernelConfig(NamedTuple):
                 f"{'true' if self.async_copy else 'false'}")
 
 
-def shared_memory_bytes(family: str, cfg: KernelConfig) -> int:
-    """Dynamic shared memory of one CTA: the staged A and B tiles times stages, plus scratch."""
+def shared_memory_bytes(family: str, cfg: KernelConfig, *, grad_in_place: bool = False,
+                        staged_slots: int = 0) -> int:
+    """Dynamic shared memory of one CTA: the staged A and B tiles times stages, scratch, and
+    the slot tables staged behind them (grad_weight: its slot tile's; the forward:
+    ``staged_slots`` slots of its nodes). ``grad_in_place``: grad_weight's B tile staged from
+    channels-last grad_y (batch rows of Cout) rather than its re-layout (Cout rows of batch)."""
     m, n, k = cfg.tile_m, cfg.bn, cfg.bk
     a_rows, a_width, b_rows, b_width = {
-        "grad_weight": (m, k, n, k), "grad_input_scatter": (k, m, n, k),
-        "gather_cl": (m, k, k, n)}.get(family, (k, m, k, n))
+        "grad_weight": (m, k, k, n) if grad_in_place else (m, k, n, k),
+        "grad_input_scatter": (k, m, n, k), "gather_cl": (m, k, k, n)}.get(family, (k, m, k, n))
     staged = cfg.ksteps * (a_rows * (a_width + SHARED_PAD) + b_rows * (b_width + SHARED_PAD))
-    return staged * ELEMENT_BYTES + cfg.wm * cfg.wn * 16 * 16 * 4
+    tables = {"grad_weight": m, "forward": staged_slots}.get(family, 0) * 2 * TABLE_BYTES
+    return staged * ELEMENT_BYTES + cfg.wm * cfg.wn * 16 * 16 * 4 + tables
 
 
 def check_config(family: str, cfg: KernelConfig, *, p64: int | None = None,

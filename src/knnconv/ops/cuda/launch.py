@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ...plan import SLOT_ALIGN
+from ..registry import channels_fastest
 from .build import CompiledKernel, get_kernel, import_cupy, kernel_name, transpose_name
 from .configs import (
     WALKING_MAX_THREADS,
@@ -48,8 +49,11 @@ PAIRS_TILE = 64  # kPairsTile in knn_common.cuh
 # transpose_pad's square tile is 2^5 a side; extents narrower than that get narrow tiles,
 # and only problems wide in both extents (the square tile) take transpose_pairs.
 SQUARE_TILE_LOG2 = 5
-MAX_KERNEL_ARGS = 16
+MAX_KERNEL_ARGS = 20  # the parameter slots of one launch (see _ThreadLaunchState)
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
+VECTOR_BYTES = 16  # every staged run is whole 16-byte chunks
+# grad_weight reading channels-last grad_y stages 16-byte runs of its Cout channels
+GRAD_IN_PLACE_COUT_MULTIPLE = 8
 
 
 class _ThreadLaunchState(threading.local):
@@ -243,12 +247,16 @@ class _Carve:
 
 
 class _Gemm:
-    """One gathered-GEMM kernel with its grid, block and shared memory resolved."""
+    """One gathered-GEMM kernel with its grid, block and shared memory resolved
+    (``grad_in_place``, ``staged_slots``: see :func:`shared_memory_bytes`)."""
 
     def __init__(self, family: str, cfg: KernelConfig, dtype, device_index: int, grid,
-                 out_dtype: torch.dtype | None = None) -> None:
-        self.kernel = get_kernel(kernel_name(family, dtype, cfg, out_dtype), device_index)
-        self.shared = shared_memory_bytes(family, cfg)
+                 out_dtype: torch.dtype | None = None, *, grad_in_place: bool = False,
+                 staged_slots: int = 0) -> None:
+        self.kernel = get_kernel(kernel_name(family, dtype, cfg, out_dtype,
+                                             grad_in_place=grad_in_place), device_index)
+        self.shared = shared_memory_bytes(family, cfg, grad_in_place=grad_in_place,
+                                          staged_slots=staged_slots)
         self.kernel.allow_shared_memory(self.shared)
         self.device_index, self.grid, self.block = device_index, grid, (cfg.threads, 1, 1)
 
@@ -408,6 +416,16 @@ def forward_batch_padding(batch: int, cin: int, nin: int, cout: int, nout: int, 
                         *_default_backward_tiles(batch, cin, nin, cout, p64))
 
 
+def readable(t: torch.Tensor) -> bool:
+    """Whether the kernels read [B, C, N] t in place: channels-last storage (any batch stride)
+    whose every node row starts on a 16-byte boundary (the address, the batch stride and the
+    channel count allow it)."""
+    per_vector = VECTOR_BYTES // t.element_size()
+    return (channels_fastest(t) and t.data_ptr() % VECTOR_BYTES == 0
+            and t.shape[1] % per_vector == 0
+            and (t.shape[0] == 1 or t.stride(0) % per_vector == 0))
+
+
 def bias_read_dtype(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.dtype | None:
     """The dtype a forward kernel of compute ``dtype`` reads ``bias`` in: its own if fp32 or
     the compute dtype (both added in fp32), else fp32."""
@@ -443,21 +461,36 @@ class ForwardLaunch:
     """The forward of one (layer sizes, batch, dtype, device): x and W re-layouts + gathered
     GEMM. wt lives in spare room allocated behind xt: one allocation besides y.
 
-    The padded batch also fits the default backward tiles, so the backward reuses xt.
+    The padded batch also fits the default backward tiles, so the backward reuses xt. Each
+    node runs ``slots`` (its Cin*K real slots; default all P64) rounded up to the K tile; the
+    CTA's slot tables are staged in shared memory, so a walk of nodes per CTA is shortened
+    where its tables would not fit.
     """
 
     def __init__(self, *, batch: int, cin: int, nin: int, cout: int, nout: int, q: int,
                  p64: int, dtype: torch.dtype, device: torch.device,
-                 config: KernelConfig | None = None,
-                 nodes_per_cta: int | None = None) -> None:
+                 config: KernelConfig | None = None, nodes_per_cta: int | None = None,
+                 slots: int | None = None) -> None:
+        limit = _shared_memory_limit(device.index)
         self.cfg = cfg = check_config(
             "forward", config or default_config(batch, cout, p64, dtype, nout), p64=p64,
-            max_shared_bytes=_shared_memory_limit(device.index))
+            max_shared_bytes=limit)
+        if slots is not None and not 1 <= slots <= p64:
+            raise ValueError(f"slots must be in [1, P64 = {p64}], got {slots}")
+        self.slots = _round_up(slots or p64, cfg.bk)
         bpad = forward_batch_padding(batch, cin, nin, cout, nout, p64, cfg)
         self.batch, self.bpad, self.cpad = batch, bpad, _round_up(cout, cfg.bn)
         grid_yz = (self.cpad // cfg.bn, bpad // cfg.tile_m)
-        self.nodes_per_cta = _nodes_per_cta(nodes_per_cta, cfg, p64 // cfg.bk,
+        self.nodes_per_cta = _nodes_per_cta(nodes_per_cta, cfg, self.slots // cfg.bk,
                                             grid_yz[0] * grid_yz[1], nout, device.index)
+        while shared_memory_bytes("forward", cfg,
+                                  staged_slots=self.nodes_per_cta * self.slots) > limit:
+            if self.nodes_per_cta == 1 or nodes_per_cta is not None:
+                raise ValueError(
+                    f"the forward's slot tables ({self.nodes_per_cta} node(s) of {self.slots} "
+                    f"slots) and tiles {tuple(cfg)} need more than the device's {limit} B of "
+                    "shared memory; use smaller tiles or fewer nodes per CTA")
+            self.nodes_per_cta //= 2
         self.cout, self.nout, self.p64, self.dtype = cout, nout, p64, dtype
         self.y_shape = (batch, cout, nout)
         self.weight_layout = _weight_transposed(cout, q, self.cpad, dtype, dtype, device.index)
@@ -465,7 +498,8 @@ class ForwardLaunch:
         self.input_layout = _InputLayout(batch, cin, nin, bpad, dtype, dtype,
                                          device.index, spare_bytes=wt_bytes)
         self.gemm = _Gemm("forward", cfg, dtype, device.index,
-                          (-(-nout // self.nodes_per_cta), *grid_yz))
+                          (-(-nout // self.nodes_per_cta), *grid_yz),
+                          staged_slots=self.nodes_per_cta * self.slots)
         # What names the kernel a call runs, but for how it reads the bias (see kernel_key): the
         # paths it takes at run time, walking nodes or not, 16-byte stores (Cout % 8 == 0) or
         # element stores. CudaOps verifies each on its first use.
@@ -490,7 +524,7 @@ class ForwardLaunch:
         self.gemm(saved.xt.data_ptr(), wt, input_linear.data_ptr(), weight_linear.data_ptr(), 0,
                   _pointer(bias), int(bias is not None and bias.dtype == torch.float32),
                   y.data_ptr(), self.batch, self.bpad, self.cout, self.cpad, self.nout, self.p64,
-                  0, self.nodes_per_cta)
+                  self.slots, 0, self.nodes_per_cta)
         return y, saved
 
 
@@ -539,6 +573,9 @@ class BackwardLaunch:
     temporary lives in one workspace allocation whose accumulators are zeroed by one memset.
     dx is contiguous, or with ``dx_channels_last`` the [B, Cin, Nin] view of a contiguous
     [B, Nin, Cin] buffer (as a channels-last x is stored), written so by the same restore.
+    With ``grad_y_in_place`` (dW and the bias gradient only, Cout a multiple of 8), dW reads
+    channels-last grad_y itself (:func:`readable`) instead of a re-layout of it, and the bias
+    gradient is an fp32 sum of it.
     """
 
     def __init__(self, *, batch: int, cin: int, nin: int, cout: int, nout: int, q: int,
@@ -548,9 +585,15 @@ class BackwardLaunch:
                  weight_config: KernelConfig | None = None, ksplit: int | None = None,
                  nodes_per_cta: int | None = None,
                  grad_dtypes=(torch.float32, torch.float32, torch.float32),
-                 batch_padding: int | None = None, dx_channels_last: bool = False) -> None:
+                 batch_padding: int | None = None, dx_channels_last: bool = False,
+                 grad_y_in_place: bool = False) -> None:
         """batch_padding: the padded batch to use where the tiles allow it (that of a
         forward's kept re-layout of x, so the backward reuses it), else the smallest."""
+        if grad_y_in_place and (need_input or cout % GRAD_IN_PLACE_COUT_MULTIPLE):
+            raise ValueError(
+                "grad_y_in_place serves dW and the bias gradient alone, for Cout a multiple of "
+                f"{GRAD_IN_PLACE_COUT_MULTIPLE}; got need_input={need_input}, Cout={cout}")
+        self.grad_y_in_place = grad_y_in_place
         index = device.index
         algorithm = algorithm or default_grad_input_algorithm(cin)
         if algorithm not in ("gather", "scatter"):
@@ -580,7 +623,7 @@ class BackwardLaunch:
         # Workspace: [gt | x re-layout | weight re-layout | dx staging (gather) | zeroed: dxt,
         # dwt, dbias]
         carve = _Carve()
-        self.gt_at = carve.add(nout * gpad * bpad * item)
+        self.gt_at = None if grad_y_in_place else carve.add(nout * gpad * bpad * item)
         if need_weight:  # where a forward's kept re-layout fits the tiles it is reused
             self.input_layout = _InputLayout(batch, cin, nin, bpad, dtype, dtype, index)
             self.xt_at = None if fits else carve.add((rows + 1) * bpad * item)
@@ -634,7 +677,8 @@ class BackwardLaunch:
             role: key for role, key, needed in (
                 ("input", (input_family, dtype, gi, device, input_path, self.staging_dtype),
                  need_input),
-                ("weight", ("grad_weight", dtype, gw, device, torch.float32), need_weight),
+                ("weight", ("grad_weight", dtype, gw, device, torch.float32, grad_y_in_place),
+                 need_weight),
                 ("bias", ("grad_bias", dtype, None, device, grad_dtypes[2]), need_bias))
             if needed}
         self.zero_from = carve.size
@@ -651,7 +695,8 @@ class BackwardLaunch:
             self.p_tiles = p_tiles
             splits = -(-k_tiles // self.per_split)
             self.weight_gemm = _Gemm("grad_weight", gw, dtype, index,
-                                     (nout, p_tiles * splits, gpad // gw.bn))
+                                     (nout, p_tiles * splits, gpad // gw.bn),
+                                     grad_in_place=grad_y_in_place)
             self.dw_at = carve.add(q * gpad * 4)
             self.restore_dw = _Transpose(torch.float32, grad_dtypes[1], index, (1, q, cout),
                                          (1, q, cout), (0, q))
@@ -677,11 +722,18 @@ class BackwardLaunch:
         base = workspace.data_ptr()
         if self.zero_bytes:
             _zero(base + self.zero_from, self.zero_bytes, index)
-        gt = base + self.gt_at
         sb, so, sn = grad_y.stride()
+        if self.grad_y_in_place:
+            if not readable(grad_y):
+                raise ValueError("grad_y_in_place needs grad_y in channels-last storage with "
+                                 "16-byte aligned node rows")
+            gt = grad_y.data_ptr()
+        else:
+            gt = base + self.gt_at
         by_node = self.to_gt_by_node is not None and so == 1 and sn == self.cout
-        if by_node:
-            self.to_gt_by_node(grad_y, gt, (sn, sb, so))
+        if self.grad_y_in_place or by_node:
+            if by_node and not self.grad_y_in_place:
+                self.to_gt_by_node(grad_y, gt, (sn, sb, so))
             if self.need_bias:
                 torch.sum(grad_y, dim=(0, 2), dtype=torch.float32,
                           out=workspace[self.db_at:self.db_at + 4 * self.cout].view(torch.float32))
@@ -697,7 +749,7 @@ class BackwardLaunch:
                 self.weight_layout(weight, w_relaid, (s_out, (self.q // cin) * s_in, s_in))
                 self.input_gemm(gt, w_relaid, reverse.pair_node.data_ptr(),
                                 reverse.pair_cell.data_ptr(), reverse.pair_start.data_ptr(), 0, 0,
-                                staging, batch, bpad, cin, self.cinpad, nin, 0, gpad, 1)
+                                staging, batch, bpad, cin, self.cinpad, nin, 0, 0, gpad, 1)
             else:
                 self.weight_layout(weight, w_relaid, (0, weight.stride(0), weight.stride(1)))
                 self.input_gemm(gt, w_relaid, input_linear.data_ptr(), weight_linear.data_ptr(),
@@ -717,7 +769,7 @@ class BackwardLaunch:
             dwt = base + self.dw_at
             self.weight_gemm(xt, gt, input_linear.data_ptr(),
                              weight_linear.data_ptr(), dwt, bpad, gpad, self.p64, cin * nin,
-                             self.p_tiles, self.per_split)
+                             self.p_tiles, self.per_split, sb, self.cout, batch)
             dw = new((self.cout, self.q), dtype=self.grad_dtypes[1], device=device)
             self.restore_dw.launch_raw(dwt, dw.data_ptr(), (0, gpad, 1))
         if self.need_bias:

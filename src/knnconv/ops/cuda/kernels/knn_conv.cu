@@ -160,7 +160,9 @@ struct StageBuffers {
 // M = batch, N = output channels, K = the node's slots s, every operand row gathered whole.
 //
 // kReverse = false (forward): slot s of node n reads xt row input_rows[n*p64 + s] and wt row
-// weight_rows[n*p64 + s]; every node has p64 slots.
+// weight_rows[n*p64 + s]; every node runs its first `slots` slots (Cin*K rounded up to kTileK,
+// the rest of P64 being padding). The CTA's slot tables are staged in shared memory before the
+// pipeline starts, so no tile waits on a global load for its row numbers.
 // kReverse = true (grad_input as a forward over the reversed graph): node n is an input node,
 // its slots run over the (output node, cell) pairs in [pair_start[n], pair_start[n+1]) times
 // `block` channels: slot j*block + o reads gt row input_rows[j]*block + o and Wr row
@@ -172,7 +174,7 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
                 const int* __restrict__ input_rows, const int* __restrict__ weight_rows,
                 const int* __restrict__ pair_start, const void* __restrict__ bias,
                 int bias_is_float32, TOut* __restrict__ y, int batch, int bpad, int cout,
-                int cpad, int nout, int p64, int block, int nodes_per_cta) {
+                int cpad, int nout, int p64, int slots, int block, int nodes_per_cta) {
   constexpr int kThreads = kWarpsM * kWarpsN * kWarp;
   constexpr int kAPitch = kTileM + kPad, kBPitch = kTileN + kPad;
   constexpr int kAElems = kTileK * kAPitch, kBElems = kTileK * kBPitch;
@@ -201,7 +203,25 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
     in_rows += first_pair;
     w_rows += first_pair;
   } else {
-    k_tiles = p64 / kTileK;
+    k_tiles = slots / kTileK;
+    // in_rows / w_rows become the CTA's tables in shared memory (behind the stage buffers and
+    // the scratch): its nodes' slots, `slots` apart.
+    int* staged = reinterpret_cast<int*>(
+        shared_raw + kStages * (kAElems + kBElems) * sizeof(T) +
+        kWarpsM * kWarpsN * kFrag * kFrag * sizeof(float));
+    const int nodes = kWalkNodes ? min(nodes_per_cta, nout - first_node) : 1;
+    const int entries = nodes * slots;
+    for (int g = 0; g < nodes; ++g) {
+      const int* from_in = input_rows + static_cast<size_t>(first_node + g) * p64;
+      const int* from_w = weight_rows + static_cast<size_t>(first_node + g) * p64;
+      for (int i = threadIdx.x; i < slots; i += kThreads) {
+        staged[g * slots + i] = from_in[i];
+        staged[entries + g * slots + i] = from_w[i];
+      }
+    }
+    __syncthreads();
+    in_rows = staged;
+    w_rows = staged + entries;
   }
   // Global row of slot k0 + r; in reverse mode a tile never straddles two pairs.
   auto slot_row = [&](const int* rows, int k0, int r) -> long long {
@@ -226,18 +246,14 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
   tile.zero();
   // load and compute each see t = 0, 1, ... in order: walk (node, k tile) without dividing.
   int load_tile = 0, compute_tile = 0;
-  const int* in_node = in_rows;
+  const int* in_node = in_rows;  // a reverse node's one pair list, or the staged tables
   const int* w_node = w_rows;
-  if constexpr (!kReverse) {  // the one pair list of a reverse node is in_rows itself
-    in_node += static_cast<size_t>(first_node) * p64;
-    w_node += static_cast<size_t>(first_node) * p64;
-  }
   int store_at = first_node;
   auto load = [&](int tile_index, int stage) {
     if (kWalkNodes && load_tile == k_tiles) {
       load_tile = 0;
-      in_node += p64;
-      w_node += p64;
+      in_node += slots;
+      w_node += slots;
     }
     const int k0 = (kWalkNodes ? load_tile++ : tile_index) * kTileK;
     stage_rows<T, kTileK, kTileM, kAPitch, kThreads, kAsync>(
@@ -343,18 +359,25 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
   pipeline<kStages>(0, nodes * k_tiles, load, compute);
 }
 
-// dwt[w(n,p), o] += sum_b xt[in(n,p), b] * gt[n, o, b]: M = slots, N = Cout, K = batch,
-// the batch split into gridDim.y / p_tiles slices of k_tiles_per_split tiles each.
+// dwt[w(n,p), o] += sum_b xt[in(n,p), b] * grad_y[b, o, n]: M = slots p, N = Cout, K = batch,
+// the batch split into gridDim.y / p_tiles slices of k_tiles_per_split tiles each. grad_y is
+// read from gt [Nout, cpad, bpad] (batch contiguous), or with kGradInPlace from grad_y itself
+// in channels-last storage (element (b, o, n) at b * grad_batch_stride + n * cout + o; Cout a
+// multiple of 8, 16-byte aligned rows), rows past the batch read as zeros. The CTA's slot rows
+// are staged in shared memory first: each of its tiles reads them.
 template <typename T, int kTileM, int kTileN, int kTileK, int kWarpsM, int kWarpsN, int kStages,
-          bool kAsync>
+          bool kAsync, bool kGradInPlace>
 __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
-    knn_grad_weight(const T* __restrict__ xt, const T* __restrict__ gt,
+    knn_grad_weight(const T* __restrict__ xt, const T* __restrict__ grad,
                     const int* __restrict__ input_linear, const int* __restrict__ weight_linear,
                     float* __restrict__ dwt, int bpad, int cpad, int p64, int pad_row,
-                    int p_tiles, int k_tiles_per_split) {
+                    int p_tiles, int k_tiles_per_split, long long grad_batch_stride, int cout,
+                    int batch) {
   constexpr int kThreads = kWarpsM * kWarpsN * kWarp;
-  constexpr int kAPitch = kTileK + kPad, kBPitch = kTileK + kPad;
-  constexpr int kAElems = kTileM * kAPitch, kBElems = kTileN * kBPitch;
+  constexpr int kAPitch = kTileK + kPad;
+  constexpr int kBPitch = kGradInPlace ? kTileN + kPad : kTileK + kPad;
+  constexpr int kAElems = kTileM * kAPitch;
+  constexpr int kBElems = (kGradInPlace ? kTileK : kTileN) * kBPitch;
   extern __shared__ __align__(128) unsigned char shared_raw[];
   const int warp = threadIdx.x / kWarp;
   const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
@@ -369,34 +392,57 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
   const int first = split * k_tiles_per_split;
   const int last = min(first + k_tiles_per_split, bpad / kTileK);
   if (first >= last) return;
-  const int* in_rows = input_linear + static_cast<size_t>(node) * p64;
-  const int* w_rows = weight_linear + static_cast<size_t>(node) * p64;
-  const T* grad_rows = gt + static_cast<size_t>(node) * cpad * bpad;
+  int* in_rows = reinterpret_cast<int*>(shared_raw + kStages * (kAElems + kBElems) * sizeof(T) +
+                                        kWarpsM * kWarpsN * kFrag * kFrag * sizeof(float));
+  int* w_rows = in_rows + kTileM;
+  for (int i = threadIdx.x; i < kTileM; i += kThreads) {
+    const size_t at = static_cast<size_t>(node) * p64 + p0 + i;
+    in_rows[i] = input_linear[at];
+    w_rows[i] = weight_linear[at];
+  }
+  __syncthreads();
+  const T* grad_rows = kGradInPlace ? grad + static_cast<size_t>(node) * cout
+                                    : grad + static_cast<size_t>(node) * cpad * bpad;
 
   tile.zero();
   auto load = [&](int k_tile, int stage) {
     const int k0 = k_tile * kTileK;
     stage_rows<T, kTileM, kTileK, kAPitch, kThreads, kAsync>(
         smem.a + stage * kAElems, xt,
-        [&](int r) { return static_cast<long long>(in_rows[p0 + r]) * bpad + k0; });
-    stage_rows<T, kTileN, kTileK, kBPitch, kThreads, kAsync>(
-        smem.b + stage * kBElems, grad_rows,
-        [&](int r) { return static_cast<long long>(o0 + r) * bpad + k0; });
+        [&](int r) { return static_cast<long long>(in_rows[r]) * bpad + k0; });
+    if constexpr (kGradInPlace) {
+      stage_chunks_or_zero<T, kTileK, kTileN, kBPitch, kThreads, kAsync>(
+          smem.b + stage * kBElems, grad_rows, [&](int r, int col) -> long long {
+            const int b = k0 + r;
+            return b < batch && o0 + col < cout ? b * grad_batch_stride + o0 + col : -1;
+          });
+    } else {
+      stage_rows<T, kTileN, kTileK, kBPitch, kThreads, kAsync>(
+          smem.b + stage * kBElems, grad_rows,
+          [&](int r) { return static_cast<long long>(o0 + r) * bpad + k0; });
+    }
   };
   auto compute = [&](int stage) {
     const T* a = smem.a + stage * kAElems;
     const T* b = smem.b + stage * kBElems;
 #pragma unroll
     for (int kk = 0; kk < kTileK; kk += kFrag) {
-      tile.template multiply<wmma::row_major, wmma::col_major>(
-          [&](int i) { return a + (warp_m * Tile::kFragsM + i) * kFrag * kAPitch + kk; },
-          [&](int j) { return b + (warp_n * Tile::kFragsN + j) * kFrag * kBPitch + kk; },
-          kAPitch, kBPitch);
+      if constexpr (kGradInPlace) {
+        tile.template multiply<wmma::row_major, wmma::row_major>(
+            [&](int i) { return a + (warp_m * Tile::kFragsM + i) * kFrag * kAPitch + kk; },
+            [&](int j) { return b + kk * kBPitch + (warp_n * Tile::kFragsN + j) * kFrag; },
+            kAPitch, kBPitch);
+      } else {
+        tile.template multiply<wmma::row_major, wmma::col_major>(
+            [&](int i) { return a + (warp_m * Tile::kFragsM + i) * kFrag * kAPitch + kk; },
+            [&](int j) { return b + (warp_n * Tile::kFragsN + j) * kFrag * kBPitch + kk; },
+            kAPitch, kBPitch);
+      }
     }
   };
   pipeline<kStages>(first, last, load, compute);
 
-  const int row0 = p0 + warp_m * Tile::kFragsM * kFrag;
+  const int row0 = warp_m * Tile::kFragsM * kFrag;
   const int col0 = o0 + warp_n * Tile::kFragsN * kFrag;
   tile.template drain<false>(smem.scratch, [&](int r, int c, float value) {
     const int p = row0 + r;
@@ -452,7 +498,8 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
   const int b0 = blockIdx.z * kTileM;
   const int tiles_per_entry = width / kTileK;
   const int first_entry = entry_start[first_node];
-  const int tiles = (entry_start[last_node] - first_entry) * tiles_per_entry;
+  const int last_entry = entry_start[last_node];
+  const int tiles = (last_entry - first_entry) * tiles_per_entry;
 
   auto store_node = [&](int node) {
     const int row0 = b0 + warp_m * Tile::kFragsM * kFrag;
@@ -465,18 +512,31 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
     });
   };
 
-  // load and compute each see the tiles in order: walk (entry, channel tile) without dividing
+  // load and compute each see the tiles in order: walk (entry, channel tile) without dividing.
+  // The table values a step needs are read one entry (or node) ahead into registers, so no
+  // step waits on a global load for its addresses.
   int load_entry = first_entry, load_channel = 0;
   int compute_entry = first_entry, compute_channel = 0, computed = 0;
   int store_at = first_node;
+  auto entry_at = [&](int e, const int* values) { return e < last_entry ? values[e] : 0; };
+  int row_now = entry_at(first_entry, entry_row), cell_now = entry_at(first_entry, entry_cell);
+  int row_next = entry_at(first_entry + 1, entry_row);
+  int cell_next = entry_at(first_entry + 1, entry_cell);
+  // entry_start[n + 1] bounds node n's entries: that of store_at and of the node after it
+  auto bound_of = [&](int node) { return node < nodes ? entry_start[node + 1] : 0; };
+  int bound_now = bound_of(first_node), bound_next = bound_of(first_node + 1);
   auto load = [&](int tile_index, int stage) {
     if (tile_index == tiles) return;  // the pipeline's last step computes nothing (see below)
-    const long long row = entry_row[load_entry];
-    const long long cell_row = static_cast<long long>(entry_cell[load_entry]) * width;
+    const long long row = row_now;
+    const long long cell_row = static_cast<long long>(cell_now) * width;
     const int i0 = load_channel * kTileK;
     if (++load_channel == tiles_per_entry) {
       load_channel = 0;
       ++load_entry;
+      row_now = row_next;
+      cell_now = cell_next;
+      row_next = entry_at(load_entry + 1, entry_row);
+      cell_next = entry_at(load_entry + 1, entry_cell);
     }
     stage_chunks_or_zero<T, kTileM, kTileK, kAPitch, kThreads, kAsync>(
         smem.a + stage * kAElems, act, [&](int r, int col) -> long long {
@@ -492,9 +552,11 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
   // a second inlined copy of the drain made ptxas spill.
   auto compute = [&](int stage) {
     if (compute_channel == 0) {
-      while (store_at < last_node && entry_start[store_at + 1] <= compute_entry) {
+      while (store_at < last_node && bound_now <= compute_entry) {
         store_node(store_at++);
         tile.zero();
+        bound_now = bound_next;
+        bound_next = bound_of(store_at + 1);
       }
     }
     if (computed++ == tiles) return;
