@@ -108,10 +108,8 @@ def kernel_name(family: str, dtype: torch.dtype, cfg: KernelConfig,
         return f"knnconv::knn_grad_weight<{scalar}, {cfg.template_args()}, {in_place}>"
     if family in ("grad_input_scatter", "grad_weight_cl"):
         return f"knnconv::knn_{family}<{scalar}, {cfg.template_args()}>"
-    reverse = family == "grad_input"
-    out = SCALAR_TYPES[out_dtype or (torch.float32 if reverse else dtype)]
-    return (f"knnconv::knn_forward<{scalar}, {out}, {cfg.template_args()}, "
-            f"{'true' if reverse else 'false'}>")
+    out = SCALAR_TYPES[out_dtype or (torch.float32 if family == "grad_input" else dtype)]
+    return f"knnconv::knn_{family}<{scalar}, {out}, {cfg.template_args()}>"
 
 
 def transpose_name(source: torch.dtype, target: torch.dtype, pairs: bool = False) -> str:

@@ -23,7 +23,7 @@ grad_weight_   input channels of    output channels      batch rows
 cl             one entry (divides Cin)
 =============  ===================  ===================  ==========================
 
-grad_input runs the forward kernel over the reversed graph (each input node gathers the
+grad_input runs a gather over the reversed graph (each input node gathers the
 output nodes that read it), so every dx element is written once, without atomics; layers
 with few input channels use grad_input_scatter instead (slot gradients scattered with fp32
 atomics), since the gather's N = Cin tile would be mostly padding there.
@@ -79,16 +79,23 @@ class KernelConfig(NamedTuple):
 
 def shared_memory_bytes(family: str, cfg: KernelConfig, *, grad_in_place: bool = False,
                         staged_slots: int = 0) -> int:
-    """Dynamic shared memory of one CTA: the staged A and B tiles times stages, scratch, and
-    the slot tables staged behind them (grad_weight: its slot tile's; the forward:
-    ``staged_slots`` slots of its nodes). ``grad_in_place``: grad_weight's B tile staged from
-    channels-last grad_y (batch rows of Cout) rather than its re-layout (Cout rows of batch)."""
+    """Dynamic shared memory of one CTA: the staged A and B tiles times stages, and behind
+    them the scratch of the wmma kernels or the fp32 bias columns of those storing from
+    registers (forward, gather_cl), the forward's after its ``staged_slots`` slot-table
+    entries; grad_weight also stages its slot tile's tables.
+    ``grad_in_place``: grad_weight's B tile staged from channels-last grad_y (batch rows of
+    Cout) rather than its re-layout (Cout rows of batch)."""
     m, n, k = cfg.tile_m, cfg.bn, cfg.bk
     a_rows, a_width, b_rows, b_width = {
         "grad_weight": (m, k, k, n) if grad_in_place else (m, k, n, k),
         "grad_input_scatter": (k, m, n, k), "gather_cl": (m, k, k, n)}.get(family, (k, m, k, n))
     staged = cfg.ksteps * (a_rows * (a_width + SHARED_PAD) + b_rows * (b_width + SHARED_PAD))
-    tables = {"grad_weight": m, "forward": staged_slots}.get(family, 0) * 2 * TABLE_BYTES
+    # the kernels storing from registers (forward, gather_cl) need no scratch
+    if family == "forward":
+        return staged * ELEMENT_BYTES + staged_slots * 2 * TABLE_BYTES + n * 4
+    if family == "gather_cl":
+        return staged * ELEMENT_BYTES + n * 4
+    tables = m * 2 * TABLE_BYTES if family == "grad_weight" else 0
     return staged * ELEMENT_BYTES + cfg.wm * cfg.wn * 16 * 16 * 4 + tables
 
 
@@ -247,7 +254,8 @@ def default_grad_weight_ksplit(cfg, bpad, cpad, p64, nout, device_index=None, *,
 # keep loads in flight across node boundaries instead of paying each CTA's start-up latency.
 MIN_TILES_PER_CTA = 32  # scripts/tune_tiles.py: 8 nodes beat 4 on conv1 and alexnet layers.0
 MAX_NODES_PER_CTA = 8
-WALKING_MAX_THREADS = 256  # knn_forward walks with <= 8 warps (kWalkNodes in knn_conv.cu)
+# 16-warp tiles serve layers with many slots per node, which need no walk: one node per CTA
+WALKING_MAX_THREADS = 256
 
 
 def default_nodes_per_cta(cfg: KernelConfig, k_tiles: int, ctas_per_node: int, nout: int,

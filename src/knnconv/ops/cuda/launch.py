@@ -521,10 +521,10 @@ class ForwardLaunch:
         self.weight_layout(weight, wt, (0, weight.stride(0), weight.stride(1)))
         y = poisoned_or_empty_output(self.y_shape, dtype, x.device, poison_output)
         bias = bias_as_read(bias, dtype)
-        self.gemm(saved.xt.data_ptr(), wt, input_linear.data_ptr(), weight_linear.data_ptr(), 0,
+        self.gemm(saved.xt.data_ptr(), wt, input_linear.data_ptr(), weight_linear.data_ptr(),
                   _pointer(bias), int(bias is not None and bias.dtype == torch.float32),
                   y.data_ptr(), self.batch, self.bpad, self.cout, self.cpad, self.nout, self.p64,
-                  self.slots, 0, self.nodes_per_cta)
+                  self.slots, self.nodes_per_cta)
         return y, saved
 
 
@@ -748,8 +748,8 @@ class BackwardLaunch:
                 s_out, s_in = weight.stride()
                 self.weight_layout(weight, w_relaid, (s_out, (self.q // cin) * s_in, s_in))
                 self.input_gemm(gt, w_relaid, reverse.pair_node.data_ptr(),
-                                reverse.pair_cell.data_ptr(), reverse.pair_start.data_ptr(), 0, 0,
-                                staging, batch, bpad, cin, self.cinpad, nin, 0, 0, gpad, 1)
+                                reverse.pair_cell.data_ptr(), reverse.pair_start.data_ptr(),
+                                staging, batch, bpad, cin, self.cinpad, nin, gpad)
             else:
                 self.weight_layout(weight, w_relaid, (0, weight.stride(0), weight.stride(1)))
                 self.input_gemm(gt, w_relaid, input_linear.data_ptr(), weight_linear.data_ptr(),

@@ -133,6 +133,38 @@ __device__ __forceinline__ void store_chunk(TOut* out, const float* values) {
   }
 }
 
+// Two consecutive elements as one machine word, so that they move in one aligned load or
+// store and occupy one register until split: a two-member struct was split into 16-bit
+// registers on load (NVRTC 13.0 then spilled one to the stack) and stored as two 16-bit stores.
+template <int kBytes>
+struct WordOfSize;
+template <>
+struct WordOfSize<4> {
+  using type = unsigned int;
+};
+template <>
+struct WordOfSize<8> {
+  using type = unsigned long long;
+};
+template <typename T>
+using PairWord = typename WordOfSize<2 * sizeof(T)>::type;
+
+template <typename T>
+__device__ __forceinline__ PairWord<T> make_pair_word(T first, T second) {
+  PairWord<T> low = 0, high = 0;
+  memcpy(&low, &first, sizeof(T));  // the GPU is little-endian: first is the low half
+  memcpy(&high, &second, sizeof(T));
+  return low | (high << (8 * sizeof(T)));
+}
+
+template <typename T>
+__device__ __forceinline__ T pair_element(PairWord<T> word, int which) {
+  const PairWord<T> bits = word >> (which * 8 * sizeof(T));
+  T value;
+  memcpy(&value, &bits, sizeof(T));
+  return value;
+}
+
 // The software pipeline every kernel runs over its contraction tiles [first, last):
 // kStages shared-memory buffers, tile t+kStages-1 in flight while tile t is multiplied.
 // load(t, stage) and compute(stage) are called for t = first, first + 1, ... in order.

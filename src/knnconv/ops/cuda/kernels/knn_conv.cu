@@ -1,6 +1,7 @@
-// KNN-convolution kernels: each CTA column serves one output node (the forward and the
-// scatter walk a few nodes per CTA where a node has few contraction tiles), gathered operand
-// tiles, tensor-core (wmma) products with fp32 accumulation.
+// KNN-convolution kernels: each CTA column serves one node (the forward, the scatter and the
+// channels-last gather walk a few nodes per CTA where a node has few contraction tiles),
+// gathered operand tiles, tensor-core products with fp32 accumulation (wmma, or explicit
+// mma.sync fragments where the epilogue stores from registers: knn_mma.cuh).
 //
 // Layouts (built by launch.py with transpose_pad / transpose_pairs; every padded extent is a
 // multiple of the tiles using it; cpad pads Cout for the forward, gpad for the backward):
@@ -12,9 +13,15 @@
 // Each gathered row is contiguous along the axis that is not gathered, so every tile is
 // staged as whole 16-byte chunks.
 #include "knn_common.cuh"
+#include "knn_mma.cuh"
 #include "knn_neighbourhood.cuh"
 
 namespace knnconv {
+
+// Kernels ask for kResidentThreads per SM in their launch bounds (at most 128 registers a
+// thread): a stated occupancy target; without one, ptxas chose 40-80 registers for some tiles
+// and spilled.
+constexpr int kResidentThreads = 512;
 
 using namespace nvcuda;
 
@@ -156,25 +163,19 @@ struct StageBuffers {
   }
 };
 
-// The gathered product of one node: y[b, n, o] = bias[o] + sum_s A[s, b] * B[s, o] with
-// M = batch, N = output channels, K = the node's slots s, every operand row gathered whole.
-//
-// kReverse = false (forward): slot s of node n reads xt row input_rows[n*p64 + s] and wt row
-// weight_rows[n*p64 + s]; every node runs its first `slots` slots (Cin*K rounded up to kTileK,
-// the rest of P64 being padding). The CTA's slot tables are staged in shared memory before the
-// pipeline starts, so no tile waits on a global load for its row numbers.
-// kReverse = true (grad_input as a forward over the reversed graph): node n is an input node,
-// its slots run over the (output node, cell) pairs in [pair_start[n], pair_start[n+1]) times
-// `block` channels: slot j*block + o reads gt row input_rows[j]*block + o and Wr row
-// weight_rows[j]*block + o. No atomics: each output element is written once.
+// grad_input as a gathered product over the reversed graph: node n is an input node, its slots
+// run over the (output node, cell) pairs in [pair_start[n], pair_start[n+1]) times `block`
+// channels: slot j*block + o reads gt row input_rows[j]*block + o and Wr row
+// weight_rows[j]*block + o; dx[b, n, c] = sum_s A[s, b] * B[s, c], M = batch, N = input
+// channels. No atomics: each output element is written once. One node per CTA.
 template <typename T, typename TOut, int kTileM, int kTileN, int kTileK, int kWarpsM,
-          int kWarpsN, int kStages, bool kAsync, bool kReverse>
-__global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
-    knn_forward(const T* __restrict__ xt, const T* __restrict__ wt,
-                const int* __restrict__ input_rows, const int* __restrict__ weight_rows,
-                const int* __restrict__ pair_start, const void* __restrict__ bias,
-                int bias_is_float32, TOut* __restrict__ y, int batch, int bpad, int cout,
-                int cpad, int nout, int p64, int slots, int block, int nodes_per_cta) {
+          int kWarpsN, int kStages, bool kAsync>
+__global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
+                                  kResidentThreads / (kWarpsM * kWarpsN * kWarp))
+    knn_grad_input(const T* __restrict__ gt, const T* __restrict__ wr,
+                   const int* __restrict__ pair_node, const int* __restrict__ pair_cell,
+                   const int* __restrict__ pair_start, TOut* __restrict__ dx, int batch,
+                   int bpad, int cin, int cinpad, int nin, int block) {
   constexpr int kThreads = kWarpsM * kWarpsN * kWarp;
   constexpr int kAPitch = kTileM + kPad, kBPitch = kTileN + kPad;
   constexpr int kAElems = kTileK * kAPitch, kBElems = kTileK * kBPitch;
@@ -185,83 +186,27 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
   WarpTile<T, kTileM, kTileN, kWarpsM, kWarpsN> tile;
   using Tile = decltype(tile);
 
-  // Forward: the CTA walks nodes first_node.. in one pipeline (nodes_per_cta of them, fewer in
-  // the last CTA), so a layer with few slots per node keeps loads in flight across nodes.
-  // One node per CTA (nodes_per_cta == 1) in reverse mode, where the slot count varies, and
-  // for 16-warp tiles, whose 128-register budget has no room for the walk (they serve layers
-  // with many slots per node anyway).
-  constexpr bool kWalkNodes = !kReverse && kWarpsM * kWarpsN <= 8;
-  const int first_node = kWalkNodes ? blockIdx.x * nodes_per_cta : blockIdx.x;
-  const int o0 = blockIdx.y * kTileN;
+  const int node = blockIdx.x;
+  const int c0 = blockIdx.y * kTileN;
   const int b0 = blockIdx.z * kTileM;
-  int k_tiles;
-  const int* in_rows = input_rows;
-  const int* w_rows = weight_rows;
-  if constexpr (kReverse) {
-    const int first_pair = pair_start[first_node];
-    k_tiles = (pair_start[first_node + 1] - first_pair) * (block / kTileK);
-    in_rows += first_pair;
-    w_rows += first_pair;
-  } else {
-    k_tiles = slots / kTileK;
-    // in_rows / w_rows become the CTA's tables in shared memory (behind the stage buffers and
-    // the scratch): its nodes' slots, `slots` apart.
-    int* staged = reinterpret_cast<int*>(
-        shared_raw + kStages * (kAElems + kBElems) * sizeof(T) +
-        kWarpsM * kWarpsN * kFrag * kFrag * sizeof(float));
-    const int nodes = kWalkNodes ? min(nodes_per_cta, nout - first_node) : 1;
-    const int entries = nodes * slots;
-    for (int g = 0; g < nodes; ++g) {
-      const int* from_in = input_rows + static_cast<size_t>(first_node + g) * p64;
-      const int* from_w = weight_rows + static_cast<size_t>(first_node + g) * p64;
-      for (int i = threadIdx.x; i < slots; i += kThreads) {
-        staged[g * slots + i] = from_in[i];
-        staged[entries + g * slots + i] = from_w[i];
-      }
-    }
-    __syncthreads();
-    in_rows = staged;
-    w_rows = staged + entries;
-  }
-  // Global row of slot k0 + r; in reverse mode a tile never straddles two pairs.
+  const int first_pair = pair_start[node];
+  const int k_tiles = (pair_start[node + 1] - first_pair) * (block / kTileK);
+  const int* node_rows = pair_node + first_pair;
+  const int* cell_rows = pair_cell + first_pair;
+  // Global row of slot k0 + r; a tile never straddles two pairs.
   auto slot_row = [&](const int* rows, int k0, int r) -> long long {
-    if constexpr (kReverse) {
-      return static_cast<long long>(rows[k0 / block]) * block + k0 % block + r;
-    } else {
-      return rows[k0 + r];
-    }
-  };
-
-  auto store_node = [&](int node) {  // what it needs is computed here, not kept live
-    const int row0 = b0 + warp_m * Tile::kFragsM * kFrag;
-    const int col0 = o0 + warp_n * Tile::kFragsN * kFrag;
-    tile.drain_row_chunks(smem.scratch, [&](int r, int c, const float* values) {
-      const int b = row0 + r, o = col0 + c;
-      if (b >= batch || o >= cout) return;
-      store_biased_chunk<T>(y + (static_cast<size_t>(b) * nout + node) * cout + o, values,
-                            bias, bias_is_float32, o, cout);
-    });
+    return static_cast<long long>(rows[k0 / block]) * block + k0 % block + r;
   };
 
   tile.zero();
-  // load and compute each see t = 0, 1, ... in order: walk (node, k tile) without dividing.
-  int load_tile = 0, compute_tile = 0;
-  const int* in_node = in_rows;  // a reverse node's one pair list, or the staged tables
-  const int* w_node = w_rows;
-  int store_at = first_node;
   auto load = [&](int tile_index, int stage) {
-    if (kWalkNodes && load_tile == k_tiles) {
-      load_tile = 0;
-      in_node += slots;
-      w_node += slots;
-    }
-    const int k0 = (kWalkNodes ? load_tile++ : tile_index) * kTileK;
+    const int k0 = tile_index * kTileK;
     stage_rows<T, kTileK, kTileM, kAPitch, kThreads, kAsync>(
-        smem.a + stage * kAElems, xt,
-        [&](int r) { return slot_row(in_node, k0, r) * bpad + b0; });
+        smem.a + stage * kAElems, gt,
+        [&](int r) { return slot_row(node_rows, k0, r) * bpad + b0; });
     stage_rows<T, kTileK, kTileN, kBPitch, kThreads, kAsync>(
-        smem.b + stage * kBElems, wt,
-        [&](int r) { return slot_row(w_node, k0, r) * cpad + o0; });
+        smem.b + stage * kBElems, wr,
+        [&](int r) { return slot_row(cell_rows, k0, r) * cinpad + c0; });
   };
   auto compute = [&](int stage) {
     const T* a = smem.a + stage * kAElems;
@@ -273,15 +218,17 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
           [&](int j) { return b + kk * kBPitch + (warp_n * Tile::kFragsN + j) * kFrag; },
           kAPitch, kBPitch);
     }
-    if (kWalkNodes && ++compute_tile == k_tiles) {  // the node's last tile: store, next node
-      compute_tile = 0;
-      store_node(store_at++);
-      tile.zero();
-    }
   };
-  const int tiles = kWalkNodes ? min(nodes_per_cta, nout - first_node) * k_tiles : k_tiles;
-  pipeline<kStages>(0, tiles, load, compute);
-  if constexpr (!kWalkNodes) store_node(first_node);  // also when a reverse node has no pairs
+  pipeline<kStages>(0, k_tiles, load, compute);  // a node without pairs stores zeros
+
+  const int row0 = b0 + warp_m * Tile::kFragsM * kFrag;
+  const int col0 = c0 + warp_n * Tile::kFragsN * kFrag;
+  tile.drain_row_chunks(smem.scratch, [&](int r, int c, const float* values) {
+    const int b = row0 + r, channel = col0 + c;
+    if (b >= batch || channel >= cin) return;
+    store_biased_chunk<T>(dx + (static_cast<size_t>(b) * nin + node) * cin + channel, values,
+                          nullptr, 0, channel, cin);
+  });
 }
 
 // dxt[in(n,p), b] += sum_o gt[n, o, b] * wt[w(n,p), o]: M = batch, N = slots, K = Cout, the
@@ -465,14 +412,11 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
 //   node n's entries: entry_start[n] <= e < entry_start[n + 1], each reading act row
 //        entry_row[e] through cell entry_cell[e]
 //
-// Both kernels ask for kResidentThreads per SM in their launch bounds (at most 128 registers a
-// thread): a stated occupancy target; without one, ptxas chose 40-80 registers for some tiles
-// and spilled.
-constexpr int kResidentThreads = 512;
 
 // knn_gather_cl: out[b, n, j] = bias[j] + sum_e sum_i act[b, entry_row[e], i] *
 // cells[entry_cell[e], i, j], M = batch, N = produced channels, K = (entry, channel). Each
-// output element is written once. A CTA walks nodes_per_cta consecutive nodes in one pipeline.
+// output element is written once, from the accumulator registers (as knn_forward does). A CTA
+// walks nodes_per_cta consecutive nodes in one pipeline.
 template <typename T, typename TOut, int kTileM, int kTileN, int kTileK, int kWarpsM,
           int kWarpsN, int kStages, bool kAsync>
 __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
@@ -485,12 +429,20 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
   constexpr int kThreads = kWarpsM * kWarpsN * kWarp;
   constexpr int kAPitch = kTileK + kPad, kBPitch = kTileN + kPad;
   constexpr int kAElems = kTileM * kAPitch, kBElems = kTileK * kBPitch;
+  constexpr int kWarpRows = kTileM / kWarpsM, kWarpCols = kTileN / kWarpsN;
+  using Tile = MmaTile<T, kWarpRows, kWarpCols, false>;
+  // chunk c of a tile's A (B) is row c / per_row, column (c % per_row) * kChunk
+  constexpr int kAPerRow = kTileK / kChunk, kBPerRow = kTileN / kChunk;
+  constexpr int kAChunks = kTileM * kAPerRow, kBChunks = kTileK * kBPerRow;
+  constexpr int kAPerThread = (kAChunks + kThreads - 1) / kThreads;
+  constexpr int kBPerThread = (kBChunks + kThreads - 1) / kThreads;
   extern __shared__ __align__(128) unsigned char shared_raw[];
+  T* const a_stages = reinterpret_cast<T*>(shared_raw);
+  T* const b_stages = a_stages + kStages * kAElems;
+  float* const bias_of = reinterpret_cast<float*>(b_stages + kStages * kBElems);
   const int warp = threadIdx.x / kWarp;
   const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
-  StageBuffers<T, kStages, kAElems, kBElems> smem(shared_raw, warp);
-  WarpTile<T, kTileM, kTileN, kWarpsM, kWarpsN> tile;
-  using Tile = decltype(tile);
+  Tile tile;
 
   const int first_node = blockIdx.x * nodes_per_cta;
   const int last_node = min(first_node + nodes_per_cta, nodes);
@@ -500,16 +452,25 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
   const int first_entry = entry_start[first_node];
   const int last_entry = entry_start[last_node];
   const int tiles = (last_entry - first_entry) * tiles_per_entry;
+  stage_bias<T, kTileN, kThreads>(bias_of, bias, bias_is_float32, j0, n_extent);
+
+  // This thread's A chunks: the same batch rows and channel offsets in every tile (rows past
+  // the batch are zeros); its B chunks: the same row and column of every tile.
+  const T* a_from[kAPerThread];
+  bool a_valid[kAPerThread];
+#pragma unroll
+  for (int i = 0; i < kAPerThread; ++i) {
+    const int chunk = i * kThreads + threadIdx.x;
+    const int b = b0 + chunk / kAPerRow;
+    a_valid[i] = (kAChunks % kThreads == 0 || chunk < kAChunks) && b < batch;
+    a_from[i] = act + (a_valid[i] ? b * act_batch_stride : 0) + (chunk % kAPerRow) * kChunk;
+  }
+  const T* const b_from = cells + j0;
 
   auto store_node = [&](int node) {
-    const int row0 = b0 + warp_m * Tile::kFragsM * kFrag;
-    const int col0 = j0 + warp_n * Tile::kFragsN * kFrag;
-    tile.drain_row_chunks(smem.scratch, [&](int r, int c, const float* values) {
-      const int b = row0 + r, j = col0 + c;
-      if (b >= batch || j >= n_extent) return;
-      store_biased_chunk<T>(out + (static_cast<size_t>(b) * nodes + node) * n_extent + j,
-                            values, bias, bias_is_float32, j, n_extent);
-    });
+    tile.store(out + static_cast<size_t>(node) * n_extent, static_cast<size_t>(nodes) * n_extent,
+               b0 + warp_m * kWarpRows, batch, j0 + warp_n * kWarpCols, n_extent,
+               bias_of + warp_n * kWarpCols);
   };
 
   // load and compute each see the tiles in order: walk (entry, channel tile) without dividing.
@@ -538,14 +499,31 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
       row_next = entry_at(load_entry + 1, entry_row);
       cell_next = entry_at(load_entry + 1, entry_cell);
     }
-    stage_chunks_or_zero<T, kTileM, kTileK, kAPitch, kThreads, kAsync>(
-        smem.a + stage * kAElems, act, [&](int r, int col) -> long long {
-          const int b = b0 + r;
-          return b < batch ? b * act_batch_stride + row * width + i0 + col : -1;
-        });
-    stage_rows<T, kTileK, kTileN, kBPitch, kThreads, kAsync>(
-        smem.b + stage * kBElems, cells,
-        [&](int r) { return (cell_row + i0 + r) * n_pitch + j0; });
+    T* a = a_stages + stage * kAElems;
+    T* b = b_stages + stage * kBElems;
+    const long long a_offset = row * width + i0;
+#pragma unroll
+    for (int i = 0; i < kAPerThread; ++i) {
+      const int chunk = i * kThreads + threadIdx.x;
+      if (kAChunks % kThreads == 0 || chunk < kAChunks) {
+        T* to = a + (chunk / kAPerRow) * kAPitch + (chunk % kAPerRow) * kChunk;
+        if constexpr (kAsync) {
+          cp_async_16_or_zero(to, a_from[i] + (a_valid[i] ? a_offset : 0), a_valid[i]);
+        } else if (a_valid[i]) {
+          copy_chunk<false>(to, a_from[i] + a_offset);
+        } else {
+          *reinterpret_cast<uint4*>(to) = make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kBPerThread; ++i) {
+      const int chunk = i * kThreads + threadIdx.x;
+      if (kBChunks % kThreads == 0 || chunk < kBChunks) {
+        const int r = chunk / kBPerRow, col = (chunk % kBPerRow) * kChunk;
+        copy_chunk<kAsync>(b + r * kBPitch + col, b_from + (cell_row + i0 + r) * n_pitch + col);
+      }
+    }
   };
   // Each step first stores the nodes whose entries all come before its tile (nodes without
   // entries too); one step past the last tile stores the rest. One call site of store_node:
@@ -560,15 +538,11 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
       }
     }
     if (computed++ == tiles) return;
-    const T* a = smem.a + stage * kAElems;
-    const T* b = smem.b + stage * kBElems;
-#pragma unroll
-    for (int kk = 0; kk < kTileK; kk += kFrag) {
-      tile.template multiply<wmma::row_major, wmma::row_major>(
-          [&](int i) { return a + (warp_m * Tile::kFragsM + i) * kFrag * kAPitch + kk; },
-          [&](int j) { return b + kk * kBPitch + (warp_n * Tile::kFragsN + j) * kFrag; },
-          kAPitch, kBPitch);
-    }
+    const T* a = a_stages + stage * kAElems + warp_m * kWarpRows * kAPitch;
+    const T* b = b_stages + stage * kBElems + warp_n * kWarpCols;
+#pragma unroll 2  // see knn_forward
+    for (int kk = 0; kk < kTileK; kk += 16) tile.multiply(a + kk, kAPitch, b + kk * kBPitch,
+                                                          kBPitch);
     if (++compute_channel == tiles_per_entry) {
       compute_channel = 0;
       ++compute_entry;
@@ -646,36 +620,113 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
   });
 }
 
-// Two consecutive elements as one machine word, so that they move in one aligned load or
-// store and occupy one register until split: a two-member struct was split into 16-bit
-// registers on load (NVRTC 13.0 then spilled one to the stack) and stored as two 16-bit stores.
-template <int kBytes>
-struct WordOfSize;
-template <>
-struct WordOfSize<4> {
-  using type = unsigned int;
-};
-template <>
-struct WordOfSize<8> {
-  using type = unsigned long long;
-};
-template <typename T>
-using PairWord = typename WordOfSize<2 * sizeof(T)>::type;
+// The forward from the re-laid-out x: y[b, n, o] = bias[o] + sum_s xt[input_rows[n*p64 + s], b]
+// * wt[weight_rows[n*p64 + s], o] over each node's first `slots` slots (Cin*K rounded up to
+// kTileK; the rest of P64 is padding), M = batch, N = output channels, K = slots. It serves
+// layers the channels-last kernels do not (few input channels: an image's).
+//
+// A CTA walks nodes_per_cta consecutive nodes in one pipeline, their slot tables staged in
+// shared memory first, `slots` entries a node, so tile t's table entries start at t * kTileK.
+// Every thread stages the same chunk positions of every tile: a tile costs it a table read, an
+// address and a copy per chunk. Products run on explicit mma.sync fragments, and each node's
+// results go from the accumulators straight to y in channels-last storage, the bias (staged
+// once in shared memory) added in fp32.
+template <typename T, typename TOut, int kTileM, int kTileN, int kTileK, int kWarpsM,
+          int kWarpsN, int kStages, bool kAsync>
+__global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
+                                  kResidentThreads / (kWarpsM * kWarpsN * kWarp))
+    knn_forward(const T* __restrict__ xt, const T* __restrict__ wt,
+                const int* __restrict__ input_rows, const int* __restrict__ weight_rows,
+                const void* __restrict__ bias, int bias_is_float32, TOut* __restrict__ y,
+                int batch, int bpad, int cout, int cpad, int nout, int p64, int slots,
+                int nodes_per_cta) {
+  constexpr int kThreads = kWarpsM * kWarpsN * kWarp;
+  constexpr int kAPitch = kTileM + kPad, kBPitch = kTileN + kPad;
+  constexpr int kAElems = kTileK * kAPitch, kBElems = kTileK * kBPitch;
+  constexpr int kWarpRows = kTileM / kWarpsM, kWarpCols = kTileN / kWarpsN;
+  using Tile = MmaTile<T, kWarpRows, kWarpCols, true>;
+  // chunk c of a tile's A (B) is row c / per_row, column (c % per_row) * kChunk
+  constexpr int kAPerRow = kTileM / kChunk, kBPerRow = kTileN / kChunk;
+  constexpr int kAChunks = kTileK * kAPerRow, kBChunks = kTileK * kBPerRow;
+  constexpr int kAPerThread = (kAChunks + kThreads - 1) / kThreads;
+  constexpr int kBPerThread = (kBChunks + kThreads - 1) / kThreads;
+  extern __shared__ __align__(128) unsigned char shared_raw[];
+  T* const a_stages = reinterpret_cast<T*>(shared_raw);
+  T* const b_stages = a_stages + kStages * kAElems;
+  int* const tables = reinterpret_cast<int*>(b_stages + kStages * kBElems);
+  const int warp = threadIdx.x / kWarp;
+  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
 
-template <typename T>
-__device__ __forceinline__ PairWord<T> make_pair_word(T first, T second) {
-  PairWord<T> low = 0, high = 0;
-  memcpy(&low, &first, sizeof(T));  // the GPU is little-endian: first is the low half
-  memcpy(&high, &second, sizeof(T));
-  return low | (high << (8 * sizeof(T)));
-}
+  const int first_node = blockIdx.x * nodes_per_cta;
+  const int nodes = min(nodes_per_cta, nout - first_node);
+  const int o0 = blockIdx.y * kTileN;
+  const int b0 = blockIdx.z * kTileM;
+  const int entries = nodes * slots;
+  for (int g = 0; g < nodes; ++g) {
+    const int* from_in = input_rows + static_cast<size_t>(first_node + g) * p64;
+    const int* from_w = weight_rows + static_cast<size_t>(first_node + g) * p64;
+    for (int i = threadIdx.x; i < slots; i += kThreads) {
+      tables[g * slots + i] = from_in[i];
+      tables[entries + g * slots + i] = from_w[i];
+    }
+  }
+  __syncthreads();
 
-template <typename T>
-__device__ __forceinline__ T pair_element(PairWord<T> word, int which) {
-  const PairWord<T> bits = word >> (which * 8 * sizeof(T));
-  T value;
-  memcpy(&value, &bits, sizeof(T));
-  return value;
+  const T* const x_at = xt + b0;
+  const T* const w_at = wt + o0;
+  auto load = [&](int tile, int stage) {
+    const int* in_table = tables + tile * kTileK;
+    const int* w_table = in_table + entries;
+    T* a = a_stages + stage * kAElems;
+    T* b = b_stages + stage * kBElems;
+#pragma unroll
+    for (int i = 0; i < kAPerThread; ++i) {
+      const int chunk = i * kThreads + threadIdx.x;
+      if (kAChunks % kThreads == 0 || chunk < kAChunks) {
+        const int row = chunk / kAPerRow, col = (chunk % kAPerRow) * kChunk;
+        copy_chunk<kAsync>(a + row * kAPitch + col,
+                           x_at + static_cast<long long>(in_table[row]) * bpad + col);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kBPerThread; ++i) {
+      const int chunk = i * kThreads + threadIdx.x;
+      if (kBChunks % kThreads == 0 || chunk < kBChunks) {
+        const int row = chunk / kBPerRow, col = (chunk % kBPerRow) * kChunk;
+        copy_chunk<kAsync>(b + row * kBPitch + col,
+                           w_at + static_cast<long long>(w_table[row]) * cpad + col);
+      }
+    }
+  };
+
+  // the CTA's bias columns in fp32, behind the tables
+  float* const bias_of = reinterpret_cast<float*>(tables + 2 * entries);
+  stage_bias<T, kTileN, kThreads>(bias_of, bias, bias_is_float32, o0, cout);
+  Tile tile;
+  auto store_node = [&](int node) {
+    tile.store(y + static_cast<size_t>(node) * cout, static_cast<size_t>(nout) * cout,
+               b0 + warp_m * kWarpRows, batch, o0 + warp_n * kWarpCols, cout,
+               bias_of + warp_n * kWarpCols);
+  };
+
+  const int k_tiles = slots / kTileK;
+  int computed = 0, store_at = first_node;
+  auto compute = [&](int stage) {
+    const T* a = a_stages + stage * kAElems + warp_m * kWarpRows;
+    const T* b = b_stages + stage * kBElems + warp_n * kWarpCols;
+    // two 16-deep steps unrolled: fully unrolled, ptxas hoisted the fragment loads of every
+    // step and spilled the widest warp block (32 x 64)
+#pragma unroll 2
+    for (int kk = 0; kk < kTileK; kk += 16) tile.multiply(a + kk * kAPitch, kAPitch,
+                                                          b + kk * kBPitch, kBPitch);
+    if (++computed == k_tiles) {  // the node's last tile: store it, start the next
+      computed = 0;
+      store_node(store_at++);
+      tile.zero();
+    }
+  };
+  tile.zero();
+  pipeline<kStages>(0, nodes * k_tiles, load, compute);
 }
 
 // *sum += the sum of `value` over the CTA (kTransposeThreads threads, all of which call it),
