@@ -497,8 +497,9 @@ class ForwardLaunch:
         wt_bytes = q * self.cpad * dtype.itemsize
         self.input_layout = _InputLayout(batch, cin, nin, bpad, dtype, dtype,
                                          device.index, spare_bytes=wt_bytes)
+        self.batch_tiles = grid_yz[1]
         self.gemm = _Gemm("forward", cfg, dtype, device.index,
-                          (-(-nout // self.nodes_per_cta), *grid_yz),
+                          (-(-nout // self.nodes_per_cta) * self.batch_tiles, grid_yz[0], 1),
                           staged_slots=self.nodes_per_cta * self.slots)
         # What names the kernel a call runs, but for how it reads the bias (see kernel_key): the
         # paths it takes at run time, walking nodes or not, 16-byte stores (Cout % 8 == 0) or
@@ -524,7 +525,7 @@ class ForwardLaunch:
         self.gemm(saved.xt.data_ptr(), wt, input_linear.data_ptr(), weight_linear.data_ptr(),
                   _pointer(bias), int(bias is not None and bias.dtype == torch.float32),
                   y.data_ptr(), self.batch, self.bpad, self.cout, self.cpad, self.nout, self.p64,
-                  self.slots, self.nodes_per_cta)
+                  self.slots, self.nodes_per_cta, self.batch_tiles)
         return y, saved
 
 

@@ -431,11 +431,6 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
   constexpr int kAElems = kTileM * kAPitch, kBElems = kTileK * kBPitch;
   constexpr int kWarpRows = kTileM / kWarpsM, kWarpCols = kTileN / kWarpsN;
   using Tile = MmaTile<T, kWarpRows, kWarpCols, false>;
-  // chunk c of a tile's A (B) is row c / per_row, column (c % per_row) * kChunk
-  constexpr int kAPerRow = kTileK / kChunk, kBPerRow = kTileN / kChunk;
-  constexpr int kAChunks = kTileM * kAPerRow, kBChunks = kTileK * kBPerRow;
-  constexpr int kAPerThread = (kAChunks + kThreads - 1) / kThreads;
-  constexpr int kBPerThread = (kBChunks + kThreads - 1) / kThreads;
   extern __shared__ __align__(128) unsigned char shared_raw[];
   T* const a_stages = reinterpret_cast<T*>(shared_raw);
   T* const b_stages = a_stages + kStages * kAElems;
@@ -453,19 +448,6 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
   const int last_entry = entry_start[last_node];
   const int tiles = (last_entry - first_entry) * tiles_per_entry;
   stage_bias<T, kTileN, kThreads>(bias_of, bias, bias_is_float32, j0, n_extent);
-
-  // This thread's A chunks: the same batch rows and channel offsets in every tile (rows past
-  // the batch are zeros); its B chunks: the same row and column of every tile.
-  const T* a_from[kAPerThread];
-  bool a_valid[kAPerThread];
-#pragma unroll
-  for (int i = 0; i < kAPerThread; ++i) {
-    const int chunk = i * kThreads + threadIdx.x;
-    const int b = b0 + chunk / kAPerRow;
-    a_valid[i] = (kAChunks % kThreads == 0 || chunk < kAChunks) && b < batch;
-    a_from[i] = act + (a_valid[i] ? b * act_batch_stride : 0) + (chunk % kAPerRow) * kChunk;
-  }
-  const T* const b_from = cells + j0;
 
   auto store_node = [&](int node) {
     tile.store(out + static_cast<size_t>(node) * n_extent, static_cast<size_t>(nodes) * n_extent,
@@ -499,31 +481,14 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
       row_next = entry_at(load_entry + 1, entry_row);
       cell_next = entry_at(load_entry + 1, entry_cell);
     }
-    T* a = a_stages + stage * kAElems;
-    T* b = b_stages + stage * kBElems;
-    const long long a_offset = row * width + i0;
-#pragma unroll
-    for (int i = 0; i < kAPerThread; ++i) {
-      const int chunk = i * kThreads + threadIdx.x;
-      if (kAChunks % kThreads == 0 || chunk < kAChunks) {
-        T* to = a + (chunk / kAPerRow) * kAPitch + (chunk % kAPerRow) * kChunk;
-        if constexpr (kAsync) {
-          cp_async_16_or_zero(to, a_from[i] + (a_valid[i] ? a_offset : 0), a_valid[i]);
-        } else if (a_valid[i]) {
-          copy_chunk<false>(to, a_from[i] + a_offset);
-        } else {
-          *reinterpret_cast<uint4*>(to) = make_uint4(0, 0, 0, 0);
-        }
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kBPerThread; ++i) {
-      const int chunk = i * kThreads + threadIdx.x;
-      if (kBChunks % kThreads == 0 || chunk < kBChunks) {
-        const int r = chunk / kBPerRow, col = (chunk % kBPerRow) * kChunk;
-        copy_chunk<kAsync>(b + r * kBPitch + col, b_from + (cell_row + i0 + r) * n_pitch + col);
-      }
-    }
+    stage_chunks_or_zero<T, kTileM, kTileK, kAPitch, kThreads, kAsync>(
+        a_stages + stage * kAElems, act, [&](int r, int col) -> long long {
+          const int b = b0 + r;
+          return b < batch ? b * act_batch_stride + row * width + i0 + col : -1;
+        });
+    stage_rows<T, kTileK, kTileN, kBPitch, kThreads, kAsync>(
+        b_stages + stage * kBElems, cells,
+        [&](int r) { return (cell_row + i0 + r) * n_pitch + j0; });
   };
   // Each step first stores the nodes whose entries all come before its tile (nodes without
   // entries too); one step past the last tile stores the rest. One call site of store_node:
@@ -627,8 +592,7 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
 //
 // A CTA walks nodes_per_cta consecutive nodes in one pipeline, their slot tables staged in
 // shared memory first, `slots` entries a node, so tile t's table entries start at t * kTileK.
-// Every thread stages the same chunk positions of every tile: a tile costs it a table read, an
-// address and a copy per chunk. Products run on explicit mma.sync fragments, and each node's
+// Products run on explicit mma.sync fragments, and each node's
 // results go from the accumulators straight to y in channels-last storage, the bias (staged
 // once in shared memory) added in fp32.
 template <typename T, typename TOut, int kTileM, int kTileN, int kTileK, int kWarpsM,
@@ -639,17 +603,12 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
                 const int* __restrict__ input_rows, const int* __restrict__ weight_rows,
                 const void* __restrict__ bias, int bias_is_float32, TOut* __restrict__ y,
                 int batch, int bpad, int cout, int cpad, int nout, int p64, int slots,
-                int nodes_per_cta) {
+                int nodes_per_cta, int batch_tiles) {
   constexpr int kThreads = kWarpsM * kWarpsN * kWarp;
   constexpr int kAPitch = kTileM + kPad, kBPitch = kTileN + kPad;
   constexpr int kAElems = kTileK * kAPitch, kBElems = kTileK * kBPitch;
   constexpr int kWarpRows = kTileM / kWarpsM, kWarpCols = kTileN / kWarpsN;
   using Tile = MmaTile<T, kWarpRows, kWarpCols, true>;
-  // chunk c of a tile's A (B) is row c / per_row, column (c % per_row) * kChunk
-  constexpr int kAPerRow = kTileM / kChunk, kBPerRow = kTileN / kChunk;
-  constexpr int kAChunks = kTileK * kAPerRow, kBChunks = kTileK * kBPerRow;
-  constexpr int kAPerThread = (kAChunks + kThreads - 1) / kThreads;
-  constexpr int kBPerThread = (kBChunks + kThreads - 1) / kThreads;
   extern __shared__ __align__(128) unsigned char shared_raw[];
   T* const a_stages = reinterpret_cast<T*>(shared_raw);
   T* const b_stages = a_stages + kStages * kAElems;
@@ -657,10 +616,13 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
   const int warp = threadIdx.x / kWarp;
   const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
 
-  const int first_node = blockIdx.x * nodes_per_cta;
+  // The batch tiles of a node group are consecutive CTAs: the CTAs running at once share few
+  // nodes (their tables and weight rows) and read different batch columns of each xt row,
+  // instead of all reading the same columns of every row.
+  const int first_node = (blockIdx.x / batch_tiles) * nodes_per_cta;
   const int nodes = min(nodes_per_cta, nout - first_node);
   const int o0 = blockIdx.y * kTileN;
-  const int b0 = blockIdx.z * kTileM;
+  const int b0 = (blockIdx.x % batch_tiles) * kTileM;
   const int entries = nodes * slots;
   for (int g = 0; g < nodes; ++g) {
     const int* from_in = input_rows + static_cast<size_t>(first_node + g) * p64;
@@ -672,31 +634,15 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
   }
   __syncthreads();
 
-  const T* const x_at = xt + b0;
-  const T* const w_at = wt + o0;
   auto load = [&](int tile, int stage) {
     const int* in_table = tables + tile * kTileK;
     const int* w_table = in_table + entries;
-    T* a = a_stages + stage * kAElems;
-    T* b = b_stages + stage * kBElems;
-#pragma unroll
-    for (int i = 0; i < kAPerThread; ++i) {
-      const int chunk = i * kThreads + threadIdx.x;
-      if (kAChunks % kThreads == 0 || chunk < kAChunks) {
-        const int row = chunk / kAPerRow, col = (chunk % kAPerRow) * kChunk;
-        copy_chunk<kAsync>(a + row * kAPitch + col,
-                           x_at + static_cast<long long>(in_table[row]) * bpad + col);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kBPerThread; ++i) {
-      const int chunk = i * kThreads + threadIdx.x;
-      if (kBChunks % kThreads == 0 || chunk < kBChunks) {
-        const int row = chunk / kBPerRow, col = (chunk % kBPerRow) * kChunk;
-        copy_chunk<kAsync>(b + row * kBPitch + col,
-                           w_at + static_cast<long long>(w_table[row]) * cpad + col);
-      }
-    }
+    stage_rows<T, kTileK, kTileM, kAPitch, kThreads, kAsync>(
+        a_stages + stage * kAElems, xt + b0,
+        [&](int r) { return static_cast<long long>(in_table[r]) * bpad; });
+    stage_rows<T, kTileK, kTileN, kBPitch, kThreads, kAsync>(
+        b_stages + stage * kBElems, wt + o0,
+        [&](int r) { return static_cast<long long>(w_table[r]) * cpad; });
   };
 
   // the CTA's bias columns in fp32, behind the tables
