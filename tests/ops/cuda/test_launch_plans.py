@@ -194,3 +194,62 @@ def test_an_explicit_split_beyond_the_batch_k_steps_is_refused(monkeypatch, kspl
         launch.BackwardLaunch(**sizes, ksplit=ksplit)
     with pytest.raises(TypeError, match="ksplit must be an int"):
         launch.BackwardLaunch(**sizes, ksplit=2.0)
+
+
+def test_the_forward_key_names_its_column_pair_or_element_stores(plans):
+    keys = [launch.ForwardLaunch(batch=17, cin=3, nin=70, cout=cout, nout=31, q=27, p64=64,
+                                 dtype=torch.float16, device=torch.device("cuda", 0))
+            .kernel_key(None) for cout in (70, 71)]
+    assert keys[0][:5] == keys[1][:5]
+    assert (keys[0][5], keys[1][5]) == (True, False)
+
+
+@pytest.mark.parametrize("slots,expected", [(None, 192), (147, 192), (27, 64)])
+def test_the_forward_runs_each_nodes_real_slots_rounded_to_its_k_tile(plans, slots, expected):
+    forward = launch.ForwardLaunch(batch=2048, cin=3, nin=4085, cout=64, nout=964, q=588,
+                                   p64=192, dtype=torch.float16,
+                                   device=torch.device("cuda", 0), slots=slots)
+    assert forward.cfg.bk == 64 and forward.slots == expected
+    with pytest.raises(ValueError, match="slots must be in"):
+        launch.ForwardLaunch(batch=2048, cin=3, nin=4085, cout=64, nout=964, q=588, p64=192,
+                             dtype=torch.float16, device=torch.device("cuda", 0), slots=193)
+
+
+def test_a_forward_walk_is_shortened_where_its_slot_tables_would_not_fit(plans, monkeypatch):
+    from knnconv.ops.cuda import configs
+
+    sizes = dict(batch=2048, cin=3, nin=4085, cout=64, nout=964, q=588, p64=192,
+                 dtype=torch.float16, device=torch.device("cuda", 0))
+    roomy = launch.ForwardLaunch(**sizes)
+    assert roomy.nodes_per_cta == 8
+    tiles_alone = configs.shared_memory_bytes("forward", roomy.cfg)
+    # room for the tiles and the tables of two nodes, not of eight
+    room = tiles_alone + 2 * roomy.slots * 2 * configs.TABLE_BYTES
+    monkeypatch.setattr(launch, "_shared_memory_limit", lambda index: room)
+    assert launch.ForwardLaunch(**sizes).nodes_per_cta == 2
+    with pytest.raises(ValueError, match="more than the device's"):
+        launch.ForwardLaunch(**sizes, nodes_per_cta=8)
+
+
+def test_an_image_layers_weight_gradient_plan_reads_grad_y_in_place(plans):
+    sizes = dict(batch=17, cin=3, nin=70, cout=64, nout=31, q=27, p64=64, dtype=torch.float16,
+                 device=torch.device("cuda", 0), need_input=False, need_bias=True)
+    in_place = launch.BackwardLaunch(**sizes, grad_y_in_place=True)
+    relaid = launch.BackwardLaunch(**sizes)
+    assert in_place.gt_at is None and relaid.gt_at is not None
+    assert relaid.workspace_bytes - in_place.workspace_bytes >= 31 * 64 * 17 * 2
+    assert in_place.kernel_keys["weight"][-1] is True
+    assert relaid.kernel_keys["weight"][-1] is False
+    with pytest.raises(ValueError, match="dW and the bias gradient alone"):
+        launch.BackwardLaunch(**{**sizes, "need_input": True}, grad_y_in_place=True)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        launch.BackwardLaunch(**{**sizes, "cout": 70}, grad_y_in_place=True)
+
+
+def test_only_aligned_channels_last_storage_is_read_in_place():
+    grad = torch.zeros(4, 10, 64, dtype=torch.float16).transpose(1, 2)
+    assert launch.readable(grad)
+    assert not launch.readable(grad.contiguous())  # channels not fastest
+    assert not launch.readable(torch.zeros(4, 10, 60, dtype=torch.float16).transpose(1, 2))
+    odd_stride = torch.zeros(4, 10 * 64 + 4, dtype=torch.float16)[:, :640]
+    assert not launch.readable(odd_stride.view(4, 10, 64).transpose(1, 2))

@@ -129,7 +129,7 @@ class ChannelsLastForward:
         self.gemm = _Gemm("gather_cl", cfg, dtype, index,
                           (-(-nout // self.nodes_per_cta), *grid_yz))
         self._kernel_key = ("gather_cl", dtype, cfg, device, self.nodes_per_cta > 1,
-                            cout % 8 == 0)
+                            cout % 2 == 0)  # column-pair stores (see ForwardLaunch)
 
     def kernel_key(self, bias: torch.Tensor | None) -> tuple:
         return biased_kernel_key(self._kernel_key, bias, self.dtype)
@@ -195,7 +195,7 @@ class ChannelsLastBackward:
                                     (-(-nin // self.nodes_per_cta), *grid_yz),
                                     out_dtype=grad_dtypes[0])
             self.kernel_keys["input"] = ("gather_cl", dtype, gi, device, self.nodes_per_cta > 1,
-                                         cin % 8 == 0, grad_dtypes[0])
+                                         cin % 2 == 0, grad_dtypes[0])
         self.zero_from = carve.size
         if need_weight:
             gw = check_config("grad_weight_cl", weight_config or default_grad_weight_cl_config(

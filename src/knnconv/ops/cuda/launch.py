@@ -502,10 +502,10 @@ class ForwardLaunch:
                           (-(-nout // self.nodes_per_cta) * self.batch_tiles, grid_yz[0], 1),
                           staged_slots=self.nodes_per_cta * self.slots)
         # What names the kernel a call runs, but for how it reads the bias (see kernel_key): the
-        # paths it takes at run time, walking nodes or not, 16-byte stores (Cout % 8 == 0) or
-        # element stores. CudaOps verifies each on its first use.
+        # paths it takes at run time, walking nodes or not, a column pair per store (even
+        # Cout) or element stores. CudaOps verifies each on its first use.
         self._kernel_key = ("forward", dtype, cfg, device, self.nodes_per_cta > 1,
-                            cout % 8 == 0)
+                            cout % 2 == 0)
 
     def kernel_key(self, bias: torch.Tensor | None) -> tuple:
         """The kernel a call with ``bias`` runs: the bias read as fp32, as x's dtype, or absent
