@@ -93,5 +93,7 @@ stage ncu_relayouts 120 env KNNCONV_NCU=1 ncu --section SpeedOfLight \
   --section MemoryWorkloadAnalysis --section Occupancy -k regex:transpose -c 6 python3 \
   scripts/bench_relayouts.py "$out/logs/relayouts_ncu.json"
 stage fuzz 90 python3 scripts/fuzz_gpu.py --cases 2000 --seed 1 --out "$out/logs/fuzz.json"
+# warpgroup MMA on shared-memory operands: the descriptor convention and accumulator layout
+stage wgmma_probe 60 python3 scripts/probe_wgmma.py --out "$out/logs/wgmma_probe.json"
 cat "$out/summary.txt"
 tar -czf "$out/logs.tar.gz" -C "$out" logs && rm -r "$out/logs"
