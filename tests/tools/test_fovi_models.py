@@ -55,3 +55,23 @@ def test_tiny_alexnet_runs_every_path(tmp_path):
 ])
 def test_breakdown_categories(kernel, expected):
     assert fovi_models.category(kernel) == expected
+
+
+def test_breakdown_lines_list_every_path_and_batch():
+    ok = {"status": "ok", "ms_per_step": dict.fromkeys(fovi_models.CATEGORIES, 1.0)}
+    breakdowns = {"resnet18": {
+        "accelerated": [{**ok, "batch": 512}, {**ok, "batch": 2048}],
+        "fovi": [{"batch": 512, "status": "error", "error": "RuntimeError: out of memory"}]}}
+    lines = fovi_models.breakdown_lines(breakdowns)
+    assert lines[0].startswith("resnet18 accelerated B=512 GPU ms/step: knn_conv 1.00")
+    assert lines[1].startswith("resnet18 accelerated B=2048 GPU ms/step")
+    assert lines[2] == "resnet18 fovi B=512: RuntimeError: out of memory"
+
+
+def test_the_breakdown_batches_are_an_option():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert parser.parse_args(["--profile-batches", "512,2048"]).profile_batches == [512, 2048]
+    assert parser.parse_args([]).profile_batches is None

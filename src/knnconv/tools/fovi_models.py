@@ -61,9 +61,11 @@ def add_fovi_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--in-res", type=int_at_least(4), default=64,
                         help="with --fovi-model: the fovi sensor's in_res (default 64, the "
                              "published setting; smaller for a CPU smoke run)")
-    parser.add_argument("--profile-batch", type=int_at_least(1),
-                        help="with --fovi-model on CUDA: the batch of the GPU-time breakdown "
-                             "(default: the largest batch each path ran)")
+    parser.add_argument("--profile-batches", type=comma_list(int_at_least(1)),
+                        metavar="BATCHES",
+                        help="with --fovi-model on CUDA: the batches of the GPU-time "
+                             "breakdown, comma-separated (default: every batch a path ran "
+                             "eagerly, so each batch's comparison has its breakdown)")
 
 
 def build_fovi(name: str, in_res: int, device: torch.device) -> torch.nn.Module:
@@ -275,16 +277,17 @@ def model_rows(name: str, args: argparse.Namespace,
                 shown = (f"{row['median_ms']:.2f} ms" if row["status"] == "ok"
                          else f"{row['status']}: {row['error']}")
                 print(f"  {path:20} {mode:5} B={batch:<5} {shown}")
-    breakdown: dict[str, Any] = {}
+    breakdown: dict[str, list[dict[str, Any]]] = {}
     if device.type != "cuda":
         print("  breakdown: skipped, the profile of GPU time needs CUDA")
     else:
         for path in PATHS:
             ran = [row["batch"] for row in rows if row["path"] == path and row["status"] == "ok"
                    and row["mode"] == "eager"]
-            batch = args.profile_batch or (max(ran) if ran else None)
-            if batch is not None:
-                breakdown[path] = profile_breakdown(models, path, batch, args, device)
+            batches = args.profile_batches or ran
+            if batches:
+                breakdown[path] = [profile_breakdown(models, path, batch, args, device)
+                                   for batch in batches]
     return rows, breakdown, sizes
 
 
@@ -316,15 +319,16 @@ def speedup_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def breakdown_lines(breakdowns: dict[str, dict[str, Any]]) -> list[str]:
+def breakdown_lines(breakdowns: dict[str, dict[str, list[dict[str, Any]]]]) -> list[str]:
     lines = []
-    for model, per_path in breakdowns.items():
-        for path, entry in per_path.items():
-            if entry["status"] != "ok":
-                lines.append(f"{model} {path} B={entry['batch']}: {entry['error']}")
-                continue
-            parts = ", ".join(f"{key} {value:.2f}" for key, value in entry["ms_per_step"].items())
-            lines.append(f"{model} {path} B={entry['batch']} GPU ms/step: {parts}")
+    entries = [(model, path, entry) for model, per_path in breakdowns.items()
+               for path, per_batch in per_path.items() for entry in per_batch]
+    for model, path, entry in entries:
+        if entry["status"] != "ok":
+            lines.append(f"{model} {path} B={entry['batch']}: {entry['error']}")
+            continue
+        parts = ", ".join(f"{key} {value:.2f}" for key, value in entry["ms_per_step"].items())
+        lines.append(f"{model} {path} B={entry['batch']} GPU ms/step: {parts}")
     return lines
 
 
@@ -394,7 +398,7 @@ def run(args: argparse.Namespace, device: torch.device) -> int:
         "settings": {"fovi_models": args.fovi_model, "in_res": args.in_res,
                      "batches": args.batches, "warmup": args.warmup, "repeats": args.repeats,
                      "large_batch_repeats": None if args.repeats_given else LARGE_BATCH_REPEATS,
-                     "profile_batch": args.profile_batch, "precision": precision,
+                     "profile_batches": args.profile_batches, "precision": precision,
                      "optimizer": f"SGD lr {LEARNING_RATE}", "classes": N_CLASSES,
                      "sizes": sizes},
         "rows": rows, "breakdown": breakdowns,
