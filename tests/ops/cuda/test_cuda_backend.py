@@ -706,17 +706,20 @@ def test_the_forward_runs_each_nodes_real_slots_from_its_staged_tables(dtype, cf
     # walk: Nout = 29) reads each node's own tables. bin collisions and padding included.
     from knnconv.ops.cuda.launch import ForwardLaunch
 
-    if nodes_per_cta > 1 and cfg.threads > configs.WALKING_MAX_THREADS:
-        pytest.skip("16-warp tiles run one node per CTA")
     plan, x, weight, bias, grad_y = make_case(nodes_per_cta, batch=37, cin=3, cout=80,
                                               dtype=dtype, nin=60, nout=29, k=23, padding=0.2,
                                               collisions=True, v=9)
     assert plan.p64 == 128 and plan.cin * plan.k == 69
     tables = plan.on(DEVICE)
-    launch = ForwardLaunch(batch=37, cin=3, nin=plan.nin, cout=80, nout=plan.nout, q=plan.q,
-                           p64=plan.p64, dtype=dtype, device=torch.device(
-                               "cuda", torch.cuda.current_device()), config=cfg,
-                           nodes_per_cta=nodes_per_cta, slots=69)
+    sizes = dict(batch=37, cin=3, nin=plan.nin, cout=80, nout=plan.nout, q=plan.q,
+                 p64=plan.p64, dtype=dtype,
+                 device=torch.device("cuda", torch.cuda.current_device()), config=cfg,
+                 nodes_per_cta=nodes_per_cta, slots=69)
+    if nodes_per_cta > 1 and cfg.threads > configs.WALKING_MAX_THREADS:
+        with pytest.raises(ValueError, match="1 for tiles of more than"):
+            ForwardLaunch(**sizes)  # 16-warp tiles run one node per CTA
+        return
+    launch = ForwardLaunch(**sizes)
     assert launch.slots == -(-69 // cfg.bk) * cfg.bk
     y, _ = launch.run(x, weight, bias, tables.input_linear, tables.weight_linear,
                       poison_output=True)

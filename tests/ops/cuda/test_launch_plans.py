@@ -253,3 +253,14 @@ def test_only_aligned_channels_last_storage_is_read_in_place():
     assert not launch.readable(torch.zeros(4, 10, 60, dtype=torch.float16).transpose(1, 2))
     odd_stride = torch.zeros(4, 10 * 64 + 4, dtype=torch.float16)[:, :640]
     assert not launch.readable(odd_stride.view(4, 10, 64).transpose(1, 2))
+
+
+def test_a_sixteen_warp_forward_tile_is_refused_a_walk_of_nodes(plans):
+    from knnconv.ops.cuda import configs
+
+    wide = configs.KernelConfig(64, 256, 64, 2, 4, 4, 2, True, 8)
+    sizes = dict(batch=256, cin=3, nin=70, cout=256, nout=31, q=27, p64=64,
+                 dtype=torch.float16, device=torch.device("cuda", 0), config=wide)
+    assert launch.ForwardLaunch(**sizes).nodes_per_cta == 1
+    with pytest.raises(ValueError, match="1 for tiles of more than"):
+        launch.ForwardLaunch(**sizes, nodes_per_cta=2)
