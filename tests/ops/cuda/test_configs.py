@@ -14,6 +14,7 @@ from knnconv.ops.cuda.configs import (
     default_grad_input_config,
     default_grad_weight_config,
     default_nodes_per_cta,
+    shared_memory_bytes,
 )
 
 
@@ -73,3 +74,15 @@ def test_a_forward_whose_slot_step_does_not_divide_p64_is_refused(bk, p64):
     # the kernel runs P64 / bk whole steps: 128 on 64 slots would compute nothing
     with pytest.raises(ValueError, match="must divide P64"):
         check_config("forward", KernelConfig(64, 64, bk, 1, 2, 2, 2, True, 8), p64=p64)
+
+
+def test_a_grad_weight_tile_is_checked_with_the_b_stage_it_stages():
+    # read in place, grad_y's B stage is bk rows of bn (+ pad), not bn rows of bk (+ pad):
+    # for bk > bn the in-place variant needs more shared memory, and is held to that
+    cfg = KernelConfig(64, 16, 64, 1, 4, 1, 4, True, 8)
+    relaid = shared_memory_bytes("grad_weight", cfg)
+    in_place = shared_memory_bytes("grad_weight", cfg, grad_in_place=True)
+    assert in_place > relaid
+    check_config("grad_weight", cfg, max_shared_bytes=relaid)
+    with pytest.raises(ValueError, match="shared memory"):
+        check_config("grad_weight", cfg, max_shared_bytes=relaid, grad_in_place=True)

@@ -230,7 +230,7 @@ class CudaOps(KNNConvOps):
 
     def forward_saving(self, plan, x, weight, bias):
         if self.reads_in_place(plan, channels_fastest(x)):
-            if channels_last.readable(x):
+            if readable(x):
                 return self._forward_in_place(plan, x, weight, bias), x
             # unaligned: re-laid out this once, but x is what the backward gets (saved_layout
             # promised no re-layout for this storage)
@@ -276,7 +276,7 @@ class CudaOps(KNNConvOps):
         grad_dtypes = tuple(torch.float32 if d is None else d for d in dtypes)
         if (channels_last.serves(plan.cin, plan.cout) and (not need_input or dx_channels_last)
                 and (not need_weight or (isinstance(x, torch.Tensor)
-                                         and channels_last.readable(x)))):
+                                         and readable(x)))):
             return self._gradients_in_place(plan, grad_y, x, weight, needs, grad_dtypes)
         # a kept re-layout of x is reused only if the backward pads the batch as it is padded
         padding = x.bpad if isinstance(x, TransposedInput) else None

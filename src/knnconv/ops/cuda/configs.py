@@ -99,11 +99,18 @@ def shared_memory_bytes(family: str, cfg: KernelConfig, *, grad_in_place: bool =
     return staged * ELEMENT_BYTES + cfg.wm * cfg.wn * 16 * 16 * 4 + tables
 
 
+def _channel_tile(family: str, cfg: KernelConfig) -> int | None:
+    """The channels of one entry a channels-last family's tile takes (None for the others)."""
+    return {"gather_cl": cfg.bk, "grad_weight_cl": cfg.tile_m}.get(family)
+
+
 def check_config(family: str, cfg: KernelConfig, *, p64: int | None = None,
-                 width: int | None = None, max_shared_bytes: int = 227 * 1024) -> KernelConfig:
+                 width: int | None = None, max_shared_bytes: int = 227 * 1024,
+                 grad_in_place: bool = False) -> KernelConfig:
     """Raise ValueError unless ``cfg`` is a geometry the ``family`` kernel can run (on P64
     slots, when ``p64`` is given; for a channels-last family, on ``width`` channels per
-    entry: the contracted width of gather_cl, Cin for grad_weight_cl)."""
+    entry: the contracted width of gather_cl, Cin for grad_weight_cl; ``grad_in_place``: see
+    :func:`shared_memory_bytes`)."""
     known = FAMILIES + CHANNELS_LAST_FAMILIES
     if family not in known:
         raise ValueError(f"unknown kernel family {family!r}; expected one of {known}")
@@ -127,13 +134,14 @@ def check_config(family: str, cfg: KernelConfig, *, p64: int | None = None,
     if slot_tile is not None and p64 is not None and p64 % slot_tile:
         problems.append(f"the slot tile ({slot_tile}) must divide P64 ({p64})")
     # a channels-last tile takes channels of one entry: it must divide the entry's channels
-    channel_tile = {"gather_cl": cfg.bk, "grad_weight_cl": cfg.tile_m}.get(family)
+    channel_tile = _channel_tile(family, cfg)
     if channel_tile is not None and width is not None and width % channel_tile:
         problems.append(f"the channel tile ({channel_tile}) must divide the {width} channels "
                         "of an entry")
-    if not problems and shared_memory_bytes(family, cfg) > max_shared_bytes:
-        problems.append(f"needs {shared_memory_bytes(family, cfg)} B of shared memory, "
-                        f"over the device's {max_shared_bytes} B")
+    shared = 0 if problems else shared_memory_bytes(family, cfg, grad_in_place=grad_in_place)
+    if shared > max_shared_bytes:
+        problems.append(f"needs {shared} B of shared memory, over the device's "
+                        f"{max_shared_bytes} B")
     if problems:
         raise ValueError(f"invalid {family} KernelConfig {tuple(cfg)}: " + "; ".join(problems))
     return cfg
@@ -163,7 +171,7 @@ def _choose(family: str, batch: int, n: int, p64: int, nodes: int | None = None,
         config = KernelConfig(*rule["config"])
         if nodes is not None and _ctas(config, batch, n, nodes) < rule.get("min_ctas", 0):
             continue
-        channel_tile = {"gather_cl": config.bk, "grad_weight_cl": config.tile_m}.get(family)
+        channel_tile = _channel_tile(family, config)
         if channel_tile is not None and width % channel_tile:
             continue
         return config

@@ -497,9 +497,9 @@ class ForwardLaunch:
         wt_bytes = q * self.cpad * dtype.itemsize
         self.input_layout = _InputLayout(batch, cin, nin, bpad, dtype, dtype,
                                          device.index, spare_bytes=wt_bytes)
-        self.batch_tiles = grid_yz[1]
+        # the batch tiles of a node group are consecutive CTAs along x (see knn_forward)
         self.gemm = _Gemm("forward", cfg, dtype, device.index,
-                          (-(-nout // self.nodes_per_cta) * self.batch_tiles, grid_yz[0], 1),
+                          (-(-nout // self.nodes_per_cta) * grid_yz[1], grid_yz[0], 1),
                           staged_slots=self.nodes_per_cta * self.slots)
         # What names the kernel a call runs, but for how it reads the bias (see kernel_key): the
         # paths it takes at run time, walking nodes or not, a column pair per store (even
@@ -525,7 +525,7 @@ class ForwardLaunch:
         self.gemm(saved.xt.data_ptr(), wt, input_linear.data_ptr(), weight_linear.data_ptr(),
                   _pointer(bias), int(bias is not None and bias.dtype == torch.float32),
                   y.data_ptr(), self.batch, self.bpad, self.cout, self.cpad, self.nout, self.p64,
-                  self.slots, self.nodes_per_cta, self.batch_tiles)
+                  self.slots, self.nodes_per_cta)
         return y, saved
 
 
@@ -606,7 +606,7 @@ class BackwardLaunch:
             else default_grad_input_scatter_config(batch)), p64=p64, max_shared_bytes=limit)
         gw = check_config("grad_weight",
                           weight_config or default_grad_weight_config(batch, cout, p64), p64=p64,
-                          max_shared_bytes=limit)
+                          max_shared_bytes=limit, grad_in_place=grad_y_in_place)
         needed = [pair for pair, wanted in (((input_family, gi), need_input),
                                             (("grad_weight", gw), need_weight)) if wanted]
         multiple = _batch_multiple(*needed)
@@ -724,22 +724,22 @@ class BackwardLaunch:
         if self.zero_bytes:
             _zero(base + self.zero_from, self.zero_bytes, index)
         sb, so, sn = grad_y.stride()
+        # grad_y as dW reads it (itself, or gt), and whether its bias gradient is summed apart
+        # (the channel-by-channel transpose sums it on the way)
         if self.grad_y_in_place:
             if not readable(grad_y):
                 raise ValueError("grad_y_in_place needs grad_y in channels-last storage with "
                                  "16-byte aligned node rows")
-            gt = grad_y.data_ptr()
+            gt, sum_bias = grad_y.data_ptr(), True
+        elif self.to_gt_by_node is not None and so == 1 and sn == self.cout:
+            gt, sum_bias = base + self.gt_at, True
+            self.to_gt_by_node(grad_y, gt, (sn, sb, so))
         else:
-            gt = base + self.gt_at
-        by_node = self.to_gt_by_node is not None and so == 1 and sn == self.cout
-        if self.grad_y_in_place or by_node:
-            if by_node and not self.grad_y_in_place:
-                self.to_gt_by_node(grad_y, gt, (sn, sb, so))
-            if self.need_bias:
-                torch.sum(grad_y, dim=(0, 2), dtype=torch.float32,
-                          out=workspace[self.db_at:self.db_at + 4 * self.cout].view(torch.float32))
-        else:
+            gt, sum_bias = base + self.gt_at, False
             self.to_gt(grad_y, gt, (so, sb, sn), base + self.db_at if self.need_bias else 0)
+        if sum_bias and self.need_bias:
+            torch.sum(grad_y, dim=(0, 2), dtype=torch.float32,
+                      out=workspace[self.db_at:self.db_at + 4 * self.cout].view(torch.float32))
         dx = dw = db = None
         if self.need_input:
             if weight.dtype != self.dtype:

@@ -150,16 +150,20 @@ __device__ __forceinline__ void store_biased_chunk(TOut* to, const float* values
   }
 }
 
-// Shared memory of a kernel: kStages buffers of an A and a B tile, then one scratch per warp.
+// Shared memory of a kernel: kStages buffers of an A and a B tile, then what the kernel keeps
+// behind them: one scratch per warp for the wmma kernels, tables and bias columns for those
+// storing from registers.
 template <typename T, int kStages, int kAElems, int kBElems>
 struct StageBuffers {
   T* a;
   T* b;
+  unsigned char* behind;
   float* scratch;
   __device__ StageBuffers(unsigned char* raw, int warp) {
     a = reinterpret_cast<T*>(raw);
     b = a + kStages * kAElems;
-    scratch = reinterpret_cast<float*>(b + kStages * kBElems) + warp * kFrag * kFrag;
+    behind = reinterpret_cast<unsigned char*>(b + kStages * kBElems);
+    scratch = reinterpret_cast<float*>(behind) + warp * kFrag * kFrag;
   }
 };
 
@@ -430,14 +434,12 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
   constexpr int kAPitch = kTileK + kPad, kBPitch = kTileN + kPad;
   constexpr int kAElems = kTileM * kAPitch, kBElems = kTileK * kBPitch;
   constexpr int kWarpRows = kTileM / kWarpsM, kWarpCols = kTileN / kWarpsN;
-  using Tile = MmaTile<T, kWarpRows, kWarpCols, false>;
   extern __shared__ __align__(128) unsigned char shared_raw[];
-  T* const a_stages = reinterpret_cast<T*>(shared_raw);
-  T* const b_stages = a_stages + kStages * kAElems;
-  float* const bias_of = reinterpret_cast<float*>(b_stages + kStages * kBElems);
   const int warp = threadIdx.x / kWarp;
   const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
-  Tile tile;
+  StageBuffers<T, kStages, kAElems, kBElems> smem(shared_raw, warp);
+  float* const bias_of = reinterpret_cast<float*>(smem.behind);
+  MmaTile<T, kWarpRows, kWarpCols, false> tile;
 
   const int first_node = blockIdx.x * nodes_per_cta;
   const int last_node = min(first_node + nodes_per_cta, nodes);
@@ -482,12 +484,12 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
       cell_next = entry_at(load_entry + 1, entry_cell);
     }
     stage_chunks_or_zero<T, kTileM, kTileK, kAPitch, kThreads, kAsync>(
-        a_stages + stage * kAElems, act, [&](int r, int col) -> long long {
+        smem.a + stage * kAElems, act, [&](int r, int col) -> long long {
           const int b = b0 + r;
           return b < batch ? b * act_batch_stride + row * width + i0 + col : -1;
         });
     stage_rows<T, kTileK, kTileN, kBPitch, kThreads, kAsync>(
-        b_stages + stage * kBElems, cells,
+        smem.b + stage * kBElems, cells,
         [&](int r) { return (cell_row + i0 + r) * n_pitch + j0; });
   };
   // Each step first stores the nodes whose entries all come before its tile (nodes without
@@ -503,8 +505,8 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
       }
     }
     if (computed++ == tiles) return;
-    const T* a = a_stages + stage * kAElems + warp_m * kWarpRows * kAPitch;
-    const T* b = b_stages + stage * kBElems + warp_n * kWarpCols;
+    const T* a = smem.a + stage * kAElems + warp_m * kWarpRows * kAPitch;
+    const T* b = smem.b + stage * kBElems + warp_n * kWarpCols;
 #pragma unroll 2  // see knn_forward
     for (int kk = 0; kk < kTileK; kk += 16) tile.multiply(a + kk, kAPitch, b + kk * kBPitch,
                                                           kBPitch);
@@ -603,22 +605,21 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
                 const int* __restrict__ input_rows, const int* __restrict__ weight_rows,
                 const void* __restrict__ bias, int bias_is_float32, TOut* __restrict__ y,
                 int batch, int bpad, int cout, int cpad, int nout, int p64, int slots,
-                int nodes_per_cta, int batch_tiles) {
+                int nodes_per_cta) {
   constexpr int kThreads = kWarpsM * kWarpsN * kWarp;
   constexpr int kAPitch = kTileM + kPad, kBPitch = kTileN + kPad;
   constexpr int kAElems = kTileK * kAPitch, kBElems = kTileK * kBPitch;
   constexpr int kWarpRows = kTileM / kWarpsM, kWarpCols = kTileN / kWarpsN;
-  using Tile = MmaTile<T, kWarpRows, kWarpCols, true>;
   extern __shared__ __align__(128) unsigned char shared_raw[];
-  T* const a_stages = reinterpret_cast<T*>(shared_raw);
-  T* const b_stages = a_stages + kStages * kAElems;
-  int* const tables = reinterpret_cast<int*>(b_stages + kStages * kBElems);
   const int warp = threadIdx.x / kWarp;
   const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
+  StageBuffers<T, kStages, kAElems, kBElems> smem(shared_raw, warp);
+  int* const tables = reinterpret_cast<int*>(smem.behind);
 
   // The batch tiles of a node group are consecutive CTAs: the CTAs running at once share few
   // nodes (their tables and weight rows) and read different batch columns of each xt row,
-  // instead of all reading the same columns of every row.
+  // instead of all reading the same columns of every row. (bpad is a multiple of kTileM.)
+  const int batch_tiles = bpad / kTileM;
   const int first_node = (blockIdx.x / batch_tiles) * nodes_per_cta;
   const int nodes = min(nodes_per_cta, nout - first_node);
   const int o0 = blockIdx.y * kTileN;
@@ -638,17 +639,17 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
     const int* in_table = tables + tile * kTileK;
     const int* w_table = in_table + entries;
     stage_rows<T, kTileK, kTileM, kAPitch, kThreads, kAsync>(
-        a_stages + stage * kAElems, xt + b0,
+        smem.a + stage * kAElems, xt + b0,
         [&](int r) { return static_cast<long long>(in_table[r]) * bpad; });
     stage_rows<T, kTileK, kTileN, kBPitch, kThreads, kAsync>(
-        b_stages + stage * kBElems, wt + o0,
+        smem.b + stage * kBElems, wt + o0,
         [&](int r) { return static_cast<long long>(w_table[r]) * cpad; });
   };
 
   // the CTA's bias columns in fp32, behind the tables
   float* const bias_of = reinterpret_cast<float*>(tables + 2 * entries);
   stage_bias<T, kTileN, kThreads>(bias_of, bias, bias_is_float32, o0, cout);
-  Tile tile;
+  MmaTile<T, kWarpRows, kWarpCols, true> tile;
   auto store_node = [&](int node) {
     tile.store(y + static_cast<size_t>(node) * cout, static_cast<size_t>(nout) * cout,
                b0 + warp_m * kWarpRows, batch, o0 + warp_n * kWarpCols, cout,
@@ -658,8 +659,8 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
   const int k_tiles = slots / kTileK;
   int computed = 0, store_at = first_node;
   auto compute = [&](int stage) {
-    const T* a = a_stages + stage * kAElems + warp_m * kWarpRows;
-    const T* b = b_stages + stage * kBElems + warp_n * kWarpCols;
+    const T* a = smem.a + stage * kAElems + warp_m * kWarpRows;
+    const T* b = smem.b + stage * kBElems + warp_n * kWarpCols;
     // two 16-deep steps unrolled: fully unrolled, ptxas hoisted the fragment loads of every
     // step and spilled the widest warp block (32 x 64)
 #pragma unroll 2
