@@ -91,13 +91,15 @@ def tune_cell(layer, batch: int) -> list[dict]:
     return rows
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], tune=tune_cell) -> None:
+    """GEOMETRY_DIR OUT.json LAYER_SUBSTR:BATCH ...: tune(layer, batch) for each cell, every
+    row written to OUT.json as the cells finish."""
     layers = load_geometry_dir(Path(argv[0]))
     rows = []
     for spec in argv[2:]:
         name, batch = spec.rsplit(":", 1)
-        rows += tune_cell(next(layer for layer in layers if name in layer.name), int(batch))
-    Path(argv[1]).write_text(json.dumps(rows, indent=1))
+        rows += tune(next(layer for layer in layers if name in layer.name), int(batch))
+        Path(argv[1]).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

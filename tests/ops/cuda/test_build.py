@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from knnconv.ops.cuda.build import (
+    ARCHITECTURE_KERNELS,
     KERNEL_DIR,
     KERNEL_SOURCE,
     kernel_code,
@@ -24,6 +25,7 @@ from knnconv.ops.cuda.build import (
     transpose_name,
 )
 from knnconv.ops.cuda.configs import (
+    ARCHITECTURE_FAMILIES,
     CHANNELS_LAST_FAMILIES,
     FAMILIES,
     KernelConfig,
@@ -73,12 +75,25 @@ def default_instantiations() -> list[str]:
     return sorted(names)
 
 
-def _compile(names: list[str], arch: str, tmp_path, *flags: str) -> subprocess.CompletedProcess:
+def architecture_instantiations(family: str) -> list[str]:
+    """Every kernel the default rules of an architecture-specific family can pick (the dx
+    instantiation stores float32 too)."""
+    names = set()
+    for rule in _rules()[family]:
+        cfg = check_config(family, KernelConfig(*rule["config"]))
+        for dtype in (torch.float16, torch.bfloat16):
+            names.update(kernel_name(family, dtype, cfg, out)
+                         for out in (None, torch.float32))
+    return sorted(names)
+
+
+def _compile(names: list[str], arch: str, tmp_path, *flags: str,
+             source: Path = KERNEL_SOURCE) -> subprocess.CompletedProcess:
     """nvcc over a unit that takes each kernel's address, which instantiates exactly the NVRTC
     name expressions; the output lands in tmp_path / "kernels"."""
     unit = tmp_path / "instantiate.cu"
     unit.write_text(
-        f'#include "{KERNEL_SOURCE.name}"\n'
+        f'#include "{source.name}"\n'
         + "void* knnconv_kernels[] = {\n"
         + "".join(f"    reinterpret_cast<void*>(&{name}),\n" for name in names)
         + "};\n"
@@ -119,12 +134,13 @@ def load_nvrtc():
     return None
 
 
-def _nvrtc_report(nvrtc, names: list[str], arch: str) -> tuple[int, str]:
+def _nvrtc_report(nvrtc, names: list[str], arch: str,
+                  source: Path = KERNEL_SOURCE) -> tuple[int, str]:
     """Compile ``names`` as CuPy does (one program, name expressions, nvrtc_options) with
     ptxas' resource report; (NVRTC status, log)."""
     program = ctypes.c_void_p()
-    assert nvrtc.nvrtcCreateProgram(ctypes.byref(program), kernel_code().encode(), b"knn.cu", 0,
-                                    None, None) == 0
+    assert nvrtc.nvrtcCreateProgram(ctypes.byref(program), kernel_code(source).encode(),
+                                    source.name.encode(), 0, None, None) == 0
     for name in names:
         assert nvrtc.nvrtcAddNameExpression(program, name.encode()) == 0
     options = [*(o.encode() for o in nvrtc_options()), f"-arch={arch}".encode(),
@@ -173,6 +189,35 @@ def test_default_instantiations_compile_without_spills_under_nvrtc(arch):
     status, report = _nvrtc_report(nvrtc, names, arch)
     assert status == 0, report
     assert_no_spills(report, names, f"NVRTC {arch}")
+
+
+# ptxas' notes that it serialised warpgroup MMAs or waited for them where the source does not
+# (C7510-C7520): each costs the overlap of products with the next tile's staging
+SERIALISED_MMA = re.compile(r"\(C75\d\d\)[^\n]*")
+
+
+@pytest.mark.parametrize("family", sorted(ARCHITECTURE_KERNELS))
+def test_architecture_kernels_compile_for_their_target_without_spills_or_serialisation(
+        family, tmp_path):
+    source, target = ARCHITECTURE_KERNELS[family]
+    major, minor = ARCHITECTURE_FAMILIES[family]
+    assert target == f"sm_{major}{minor}a"
+    names = architecture_instantiations(family)
+    reports = []
+    if NVCC is not None:
+        result = _compile(names, target, tmp_path, "-cubin", "--resource-usage", source=source)
+        assert result.returncode == 0, result.stderr
+        reports.append(("nvcc", result.stdout + result.stderr))
+    nvrtc = load_nvrtc()
+    if nvrtc is not None:
+        status, report = _nvrtc_report(nvrtc, names, target, source)
+        assert status == 0, report
+        reports.append(("NVRTC", report))
+    if not reports:
+        pytest.skip("neither nvcc nor the nvidia-cuda-nvrtc 13 wheel is available")
+    for compiler, report in reports:
+        assert_no_spills(report, names, f"{compiler} {target}")
+        assert not SERIALISED_MMA.findall(report), SERIALISED_MMA.findall(report)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on the PATH")

@@ -59,7 +59,7 @@ def reference(plan, x, weight, bias, grad_y):
 
 def run_both(plan, x, weight, bias, grad_y, *, forward_cfg=None, input_cfg=None,
              weight_cfg=None, ksplit=None, nodes_per_cta=None,
-             grad_dtypes=(torch.float32,) * 3):
+             grad_dtypes=(torch.float32,) * 3, forward_family=None, input_family=None):
     """y, dx, dW, dbias from the channels-last launches, every output NaN-poisoned first."""
     entries = channels_last.entry_tables(*(t.to(DEVICE) for t in (plan.knn_indices,
                                                                  plan.rf_index)), plan.nin)
@@ -69,11 +69,15 @@ def run_both(plan, x, weight, bias, grad_y, *, forward_cfg=None, input_cfg=None,
     sizes = dict(batch=x.shape[0], cin=plan.cin, nin=plan.nin, cout=plan.cout, nout=plan.nout,
                  v=plan.v, entries=plan.entry_count, dtype=x.dtype, device=DEVICE)
     forward = channels_last.ChannelsLastForward(**sizes, config=forward_cfg,
+                                                family=forward_family,
                                                 nodes_per_cta=nodes_per_cta)
+    assert forward_family is None or forward.family == forward_family
     y = forward.run(x, weight, bias, entries, poison_output=True)
     backward = channels_last.ChannelsLastBackward(
         **sizes, need_bias=True, grad_dtypes=grad_dtypes, input_config=input_cfg,
-        weight_config=weight_cfg, ksplit=ksplit, nodes_per_cta=nodes_per_cta)
+        input_family=input_family, weight_config=weight_cfg, ksplit=ksplit,
+        nodes_per_cta=nodes_per_cta)
+    assert input_family is None or backward.kernel_keys["input"][0] == input_family
     dx, dw, db = backward.run(grad_y, x, weight, entries, reverse, poison=True)
     return y, dx, dw, db
 
@@ -126,6 +130,43 @@ def test_every_tile_rule_and_walk_length_matches_float64(dtype):
               ksplit=1 + index % 2)
 
 
+WGMMA = "gather_cl_wgmma"
+WGMMA_CASES = {
+    "batch1": dict(batch=1, cin=64, cout=144, nin=40, nout=12, k=9, padding=0.2),
+    "batch17_nout1": dict(batch=17, cin=128, cout=80, nin=30, nout=1, k=7),
+    "batch129_collisions": dict(batch=129, cin=192, cout=128, nin=60, nout=23, k=9, v=9,
+                                collisions=True, padding=0.3),
+    "all_padding_node": dict(batch=70, cin=64, cout=64, nin=25, nout=17, k=9, padding=0.8,
+                             all_padding_node=True),
+}
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability() != configs.ARCHITECTURE_FAMILIES[WGMMA],
+                    reason="warpgroup MMA runs on compute capability 9.0 only")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(WGMMA_CASES))
+def test_every_warpgroup_mma_rule_matches_float64(dtype, name):
+    # every rule, as the forward and, where its channel tile divides Cout, as dx (stored in
+    # float32), walking one to three nodes a CTA
+    for index, rule in enumerate(configs._rules()[WGMMA]):
+        cfg = configs.KernelConfig(*rule["config"])
+        case = WGMMA_CASES[name]
+        dx_too = case["cout"] % cfg.bk == 0
+        check(*make_case(index + len(name), dtype=dtype, **case), forward_cfg=cfg,
+              forward_family=WGMMA, input_cfg=cfg if dx_too else None,
+              input_family=WGMMA if dx_too else None, nodes_per_cta=1 + index % 3)
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability() != configs.ARCHITECTURE_FAMILIES[WGMMA],
+                    reason="warpgroup MMA runs on compute capability 9.0 only")
+def test_hopper_takes_the_warpgroup_mma_gather_by_default():
+    sizes = dict(batch=256, cin=128, nin=64, cout=128, nout=64, v=9, entries=576,
+                 dtype=torch.float16, device=DEVICE)
+    assert channels_last.ChannelsLastForward(**sizes).family == WGMMA
+    backward = channels_last.ChannelsLastBackward(**sizes, need_weight=False)
+    assert backward.kernel_keys["input"][0] == WGMMA
+
+
 @pytest.mark.parametrize("grad_dtype", (torch.float32, torch.float16))
 def test_gradients_come_in_the_dtypes_asked_for(grad_dtype):
     case = make_case(7, batch=17, cin=32, cout=64, dtype=torch.float16, nin=40, nout=20, k=9,
@@ -165,7 +206,8 @@ def test_the_training_impls_take_the_channels_last_kernels(dtype):
                                               (dtype, torch.float32, torch.float32), dtype,
                                               dx_channels_last=True)
     families = {key[0] for key in ops._verified}
-    assert {"gather_cl", "grad_weight_cl"} <= families and "forward" not in families
+    gathers = {"gather_cl", WGMMA} & families  # the gather of the device's choice
+    assert gathers and "grad_weight_cl" in families and "forward" not in families
     expected = reference(plan, x.detach(), weight, bias.to(dtype), grad_y)
     assert rel_err(y, expected[0]) < FORWARD_TOLERANCE[dtype]
     assert grads[0].transpose(1, 2).is_contiguous() and grads[0].dtype == dtype

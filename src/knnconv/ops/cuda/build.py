@@ -23,6 +23,10 @@ from .configs import KernelConfig
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 KERNEL_SOURCE = KERNEL_DIR / "knn_conv.cu"
+# kernels built for one architecture only, from their own source: family -> (source, target)
+ARCHITECTURE_KERNELS = {"gather_cl_wgmma": (KERNEL_DIR / "knn_conv_sm90.cu", "sm_90a")}
+# CUfunction_attribute CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES of the driver API
+_MAX_DYNAMIC_SHARED_ATTRIBUTE = 8
 REQUIRED_HEADERS = ("cuda_fp16.h", "cuda_bf16.h", "mma.h")
 SCALAR_TYPES = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}
 MIN_COMPUTE_CAPABILITY = (8, 0)
@@ -100,6 +104,10 @@ def kernel_name(family: str, dtype: torch.dtype, cfg: KernelConfig,
     grad_input's dx staging). ``grad_in_place``: grad_weight reading channels-last grad_y
     itself instead of its batch-contiguous re-layout."""
     scalar = SCALAR_TYPES[dtype]
+    if family == "gather_cl_wgmma":
+        out = SCALAR_TYPES[out_dtype or dtype]
+        return (f"knnconv::knn_gather_cl_wgmma<{scalar}, {out}, {cfg.bn}, {cfg.bk}, {cfg.rb}, "
+                f"{cfg.ksteps}>")
     if family == "gather_cl":  # stores the compute dtype unless told otherwise
         out = SCALAR_TYPES[out_dtype or dtype]
         return f"knnconv::knn_gather_cl<{scalar}, {out}, {cfg.template_args()}>"
@@ -123,11 +131,10 @@ _lock = threading.Lock()
 
 
 class CompiledKernel:
-    """One kernel loaded on one device: CuPy's RawKernel and its CUfunction handle."""
+    """One kernel loaded on one device: its CUfunction handle, and what owns its module."""
 
-    def __init__(self, raw, device_index: int) -> None:
-        self.raw, self.device_index = raw, device_index
-        self.ptr = raw.kernel.ptr  # the caller has made the kernel's device current
+    def __init__(self, ptr: int, device_index: int, owner) -> None:
+        self.ptr, self.device_index, self.owner = ptr, device_index, owner
         self.dynamic_shared_limit = 48 * 1024
         self._launch_kernel = import_cupy().cuda.driver.launchKernel
 
@@ -138,20 +145,21 @@ class CompiledKernel:
     def allow_shared_memory(self, size: int) -> None:
         """Raise the kernel's dynamic shared-memory limit (needed past 48 KiB), once."""
         if size > self.dynamic_shared_limit:
-            # CuPy sets the attribute on its function for the current device: make it ours
-            with import_cupy().cuda.Device(self.device_index):
-                self.raw.max_dynamic_shared_size_bytes = size
+            cupy = import_cupy()
+            with cupy.cuda.Device(self.device_index):
+                cupy.cuda.driver.funcSetAttribute(self.ptr, _MAX_DYNAMIC_SHARED_ATTRIBUTE, size)
             self.dynamic_shared_limit = size
 
 
-@lru_cache(maxsize=1)
-def kernel_code() -> str:
-    """knn_conv.cu headed by a digest of every kernel file: CuPy's on-disk cache keys on the
-    code string, and the headers it includes would otherwise not take part."""
+@lru_cache(maxsize=4)
+def kernel_code(source: Path = KERNEL_SOURCE) -> str:
+    """A kernel source (knn_conv.cu by default) headed by a digest of every kernel file:
+    CuPy's on-disk cache keys on the code string, and the headers it includes would otherwise
+    not take part."""
     digest = hashlib.sha256()
     for path in sorted(KERNEL_DIR.iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
-    return f"// kernel files {digest.hexdigest()}\n" + KERNEL_SOURCE.read_text()
+    return f"// kernel files {digest.hexdigest()}\n" + source.read_text()
 
 
 def neighbourhood_name(kernel: str, dtype: torch.dtype, grad_dtype: torch.dtype | None = None,
@@ -173,8 +181,40 @@ def nvrtc_options() -> tuple[str, ...]:
     return ("--std=c++17", f"-I{KERNEL_DIR}", f"-I{cuda_include_dir()}")
 
 
-def get_kernel(name: str, device_index: int) -> CompiledKernel:
-    """The compiled kernel named by an NVRTC name expression, on one device, built once.
+def kernel_target(family: str) -> dict:
+    """get_kernel's source and target architecture for a kernel family (none: knn_conv.cu for
+    the device's own architecture)."""
+    if family in ARCHITECTURE_KERNELS:
+        source, architecture = ARCHITECTURE_KERNELS[family]
+        return {"source": source, "architecture": architecture}
+    return {}
+
+
+def _compile_for(architecture: str, source: Path, name: str) -> tuple[bytes, str]:
+    """(cubin, lowered name) of one name expression of ``source``, by NVRTC for a named
+    target such as sm_90a, which CuPy's RawModule (it picks the device's plain sm_XY) cannot
+    ask for."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    program = nvrtc.createProgram(kernel_code(source), source.name, [], [])
+    try:
+        nvrtc.addNameExpression(program, name)
+        options = [*nvrtc_options(), f"--gpu-architecture={architecture}"]
+        try:
+            nvrtc.compileProgram(program, options)
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"NVRTC could not compile {name} for {architecture}:\n"
+                               f"{nvrtc.getProgramLog(program)}") from exc
+        return nvrtc.getCUBIN(program), nvrtc.getLoweredName(program, name)
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def get_kernel(name: str, device_index: int, *, source: Path = KERNEL_SOURCE,
+               architecture: str | None = None) -> CompiledKernel:
+    """The compiled kernel named by an NVRTC name expression, on one device, built once:
+    from ``source`` (knn_conv.cu) for the device's architecture through CuPy's RawModule
+    (cached on disk), or, given ``architecture``, for that target (see _compile_for).
 
     Compilation is serialised so that threads asking for the same kernel compile it once.
     """
@@ -187,9 +227,16 @@ def get_kernel(name: str, device_index: int) -> CompiledKernel:
         function = _modules.get(key)
         if function is None:
             with cupy.cuda.Device(device_index):
-                module = cupy.RawModule(code=kernel_code(), options=nvrtc_options(),
-                                        name_expressions=[name])
-                function = CompiledKernel(module.get_function(name), device_index)
+                if architecture is None:
+                    module = cupy.RawModule(code=kernel_code(source), options=nvrtc_options(),
+                                            name_expressions=[name])
+                    function = CompiledKernel(module.get_function(name).kernel.ptr,
+                                              device_index, module)
+                else:
+                    cubin, lowered = _compile_for(architecture, source, name)
+                    module = cupy.cuda.driver.moduleLoadData(cubin)
+                    function = CompiledKernel(
+                        cupy.cuda.driver.moduleGetFunction(module, lowered), device_index, module)
             _modules[key] = function
     return function
 

@@ -24,7 +24,7 @@ from .configs import (
     KernelConfig,
     channels_last_width_multiple,
     check_config,
-    default_gather_cl_config,
+    default_gather_cl_choice,
     default_grad_weight_cl_config,
     default_grad_weight_cl_ksplit,
 )
@@ -95,6 +95,18 @@ def _indexed(device: torch.device) -> torch.device:
     return device
 
 
+def _gather_plan(family: str | None, config: KernelConfig | None, batch: int, n: int,
+                 width: int, nodes: int, device_index: int) -> tuple[str, KernelConfig]:
+    """(family, checked geometry) of a knn_gather_cl call: the given config (of ``family``,
+    gather_cl by default), or the device's default (see default_gather_cl_choice)."""
+    if config is None:
+        family, config = default_gather_cl_choice(
+            batch, n, width, nodes, torch.cuda.get_device_capability(device_index))
+    family = family or "gather_cl"
+    return family, check_config(family, config, width=width,
+                                max_shared_bytes=_shared_memory_limit(device_index))
+
+
 def _batch_tiles(batch: int, cfg: KernelConfig) -> int:
     """knn_gather_cl's CTAs along the batch (its grid's z extent)."""
     tiles = -(-batch // cfg.tile_m)
@@ -107,16 +119,17 @@ def _batch_tiles(batch: int, cfg: KernelConfig) -> int:
 class ChannelsLastForward:
     """The forward of one (layer sizes, batch, dtype, device) on channels-last x: the weight
     re-laid out by cell (wc [V, Cin, cpad], wc[v, c, o] = W[o, c*V + v]) and knn_gather_cl over
-    each output node's real neighbours. y comes in channels-last storage."""
+    each output node's real neighbours (or its warpgroup-MMA variant, see configs). y comes in
+    channels-last storage. ``config`` and ``family`` pick the kernel and its tiles."""
 
     def __init__(self, *, batch: int, cin: int, nin: int, cout: int, nout: int, v: int,
                  entries: int, dtype: torch.dtype, device: torch.device,
-                 config: KernelConfig | None = None, nodes_per_cta: int | None = None) -> None:
+                 config: KernelConfig | None = None, family: str | None = None,
+                 nodes_per_cta: int | None = None) -> None:
         device = _indexed(device)
         index = device.index
-        self.cfg = cfg = check_config(
-            "gather_cl", config or default_gather_cl_config(batch, cout, cin, nout), width=cin,
-            max_shared_bytes=_shared_memory_limit(index))
+        self.family, self.cfg = family, cfg = _gather_plan(family, config, batch, cout, cin,
+                                                           nout, index)
         self.batch, self.cin, self.cout, self.nout, self.v, self.dtype = (batch, cin, cout,
                                                                           nout, v, dtype)
         self.cpad = cpad = _round_up(cout, cfg.bn)
@@ -126,9 +139,8 @@ class ChannelsLastForward:
                                             grid_yz[0] * grid_yz[1], nout, index)
         self.weight_layout = _Transpose(dtype, dtype, index, (v, cout, cin), (v, cpad, cin),
                                         (cin * cpad, cpad))
-        self.gemm = _Gemm("gather_cl", cfg, dtype, index,
-                          (-(-nout // self.nodes_per_cta), *grid_yz))
-        self._kernel_key = ("gather_cl", dtype, cfg, device, self.nodes_per_cta > 1,
+        self.gemm = _Gemm(family, cfg, dtype, index, (-(-nout // self.nodes_per_cta), *grid_yz))
+        self._kernel_key = (family, dtype, cfg, device, self.nodes_per_cta > 1,
                             cout % 2 == 0)  # column-pair stores (see ForwardLaunch)
 
     def kernel_key(self, bias: torch.Tensor | None) -> tuple:
@@ -168,7 +180,7 @@ class ChannelsLastBackward:
                  entries: int, dtype: torch.dtype, device: torch.device,
                  need_input: bool = True, need_weight: bool = True, need_bias: bool = False,
                  grad_dtypes=(torch.float32, torch.float32, torch.float32),
-                 input_config: KernelConfig | None = None,
+                 input_config: KernelConfig | None = None, input_family: str | None = None,
                  weight_config: KernelConfig | None = None, ksplit: int | None = None,
                  nodes_per_cta: int | None = None) -> None:
         device = _indexed(device)
@@ -181,8 +193,7 @@ class ChannelsLastBackward:
         self.kernel_keys: dict[str, tuple] = {}
         carve = _Carve()
         if need_input:
-            gi = check_config("gather_cl", input_config or default_gather_cl_config(
-                batch, cin, cout, nin), width=cout, max_shared_bytes=limit)
+            family, gi = _gather_plan(input_family, input_config, batch, cin, cout, nin, index)
             self.cinpad = _round_up(cin, gi.bn)
             grid_yz = (self.cinpad // gi.bn, _batch_tiles(batch, gi))
             mean_tiles = max(1, entries // max(1, nin)) * (cout // gi.bk)
@@ -191,10 +202,10 @@ class ChannelsLastBackward:
             self.weight_at = carve.add(v * cout * self.cinpad * dtype.itemsize)
             self.weight_layout = _weight_by_cell(cout, cin, v, cout, self.cinpad, dtype, dtype,
                                                  index)
-            self.input_gemm = _Gemm("gather_cl", gi, dtype, index,
+            self.input_gemm = _Gemm(family, gi, dtype, index,
                                     (-(-nin // self.nodes_per_cta), *grid_yz),
                                     out_dtype=grad_dtypes[0])
-            self.kernel_keys["input"] = ("gather_cl", dtype, gi, device, self.nodes_per_cta > 1,
+            self.kernel_keys["input"] = (family, dtype, gi, device, self.nodes_per_cta > 1,
                                          cin % 2 == 0, grad_dtypes[0])
         self.zero_from = carve.size
         if need_weight:

@@ -23,6 +23,13 @@ grad_weight_   input channels of    output channels      batch rows
 cl             one entry (divides Cin)
 =============  ===================  ===================  ==========================
 
+On Hopper (compute capability 9.0) gather_cl has a warpgroup-MMA variant, gather_cl_wgmma
+(kernels/knn_conv_sm90.cu, built for sm_90a), warp-specialised: ``rb`` consumer warpgroups of
+four warps each own ``bm`` = 64 batch rows (so ``wm`` = 4 * rb, ``wn`` = 1) and one more
+warpgroup stages the tiles (:func:`block_threads` counts it); ``bn`` is 64 or 128 (one
+wgmma's N), and ``ksteps`` >= 3 stages, staged ksteps - 2 tiles ahead. tiles.json's
+``gather_cl_wgmma`` rules are tried first there; a layer no rule fits takes gather_cl.
+
 grad_input runs a gather over the reversed graph (each input node gathers the
 output nodes that read it), so every dx element is written once, without atomics; layers
 with few input channels use grad_input_scatter instead (slot gradients scattered with fp32
@@ -46,6 +53,9 @@ from ...plan import SLOT_ALIGN
 
 FAMILIES = ("forward", "grad_input", "grad_input_scatter", "grad_weight")
 CHANNELS_LAST_FAMILIES = ("gather_cl", "grad_weight_cl")
+# variants for one architecture: family -> the compute capability it runs on
+ARCHITECTURE_FAMILIES = {"gather_cl_wgmma": (9, 0)}
+WGMMA_TILE_N = (64, 128)  # the wgmma shapes knn_conv_sm90.cu instantiates
 ELEMENT_BYTES = 2
 CHUNK_ELEMENTS = 8
 SHARED_PAD = 8  # must match kPad in kernels/knn_common.cuh
@@ -95,13 +105,22 @@ def shared_memory_bytes(family: str, cfg: KernelConfig, *, grad_in_place: bool =
         return staged * ELEMENT_BYTES + staged_slots * 2 * TABLE_BYTES + n * 4
     if family == "gather_cl":
         return staged * ELEMENT_BYTES + n * 4
+    if family == "gather_cl_wgmma":  # core-matrix tiles (no row padding), two mbarriers a stage
+        return cfg.ksteps * ((m * k + k * n) * ELEMENT_BYTES + 2 * 8) + n * 4
     tables = m * 2 * TABLE_BYTES if family == "grad_weight" else 0
     return staged * ELEMENT_BYTES + cfg.wm * cfg.wn * 16 * 16 * 4 + tables
 
 
+def block_threads(family: str, cfg: KernelConfig) -> int:
+    """Threads of one CTA: the warps that multiply, and the staging warpgroup of the
+    warp-specialised kernels."""
+    return cfg.threads + (128 if family in ARCHITECTURE_FAMILIES else 0)
+
+
 def _channel_tile(family: str, cfg: KernelConfig) -> int | None:
     """The channels of one entry a channels-last family's tile takes (None for the others)."""
-    return {"gather_cl": cfg.bk, "grad_weight_cl": cfg.tile_m}.get(family)
+    return {"gather_cl": cfg.bk, "gather_cl_wgmma": cfg.bk,
+            "grad_weight_cl": cfg.tile_m}.get(family)
 
 
 def check_config(family: str, cfg: KernelConfig, *, p64: int | None = None,
@@ -111,7 +130,7 @@ def check_config(family: str, cfg: KernelConfig, *, p64: int | None = None,
     slots, when ``p64`` is given; for a channels-last family, on ``width`` channels per
     entry: the contracted width of gather_cl, Cin for grad_weight_cl; ``grad_in_place``: see
     :func:`shared_memory_bytes`)."""
-    known = FAMILIES + CHANNELS_LAST_FAMILIES
+    known = FAMILIES + CHANNELS_LAST_FAMILIES + tuple(ARCHITECTURE_FAMILIES)
     if family not in known:
         raise ValueError(f"unknown kernel family {family!r}; expected one of {known}")
     cfg = KernelConfig(*cfg)
@@ -126,8 +145,14 @@ def check_config(family: str, cfg: KernelConfig, *, p64: int | None = None,
         problems.append("bm*rb must be a multiple of 16*wm and bn a multiple of 16*wn")
     if cfg.ksteps < 2:
         problems.append("ksteps (pipeline stages) must be >= 2")
-    if cfg.threads > 1024:
-        problems.append("wm*wn*32 threads must not exceed 1024")
+    if block_threads(family, cfg) > 1024:
+        problems.append("a CTA's threads (wm*wn*32, and a staging warpgroup) must not exceed "
+                        "1024")
+    if family == "gather_cl_wgmma" and (cfg.bm != 64 or cfg.wm != 4 * cfg.rb or cfg.wn != 1
+                                        or cfg.bn not in WGMMA_TILE_N or cfg.ksteps < 3
+                                        or not cfg.async_copy):
+        problems.append(f"a warpgroup-MMA tile has bm 64, wm 4*rb, wn 1, bn one of "
+                        f"{WGMMA_TILE_N}, ksteps >= 3 and async_copy")
     # the forward steps through a node's slots bk at a time (a partial step would be dropped)
     slot_tile = {"forward": cfg.bk, "grad_weight": cfg.tile_m,
                  "grad_input_scatter": cfg.bn}.get(family)
@@ -225,6 +250,20 @@ def default_gather_cl_config(batch: int, n: int, width: int, nodes: int) -> Kern
     """gather_cl geometry for ``n`` produced channels over entries of ``width`` channels on
     ``nodes`` nodes (forward: Cout over Cin, Nout; dx: Cin over Cout, Nin)."""
     return _choose("gather_cl", batch, n, SLOT_ALIGN, nodes, width)
+
+
+def default_gather_cl_choice(batch: int, n: int, width: int, nodes: int,
+                             capability: tuple[int, int]) -> tuple[str, KernelConfig]:
+    """(family, geometry) of a channels-last gather on a device of this compute capability:
+    the first gather_cl_wgmma rule that fits on Hopper, else gather_cl's
+    (:func:`default_gather_cl_config`)."""
+    if tuple(capability) == ARCHITECTURE_FAMILIES["gather_cl_wgmma"]:
+        try:
+            return "gather_cl_wgmma", _choose("gather_cl_wgmma", batch, n, SLOT_ALIGN, nodes,
+                                              width)
+        except LookupError:
+            pass
+    return "gather_cl", default_gather_cl_config(batch, n, width, nodes)
 
 
 def default_grad_weight_cl_config(batch: int, cout: int, cin: int) -> KernelConfig:

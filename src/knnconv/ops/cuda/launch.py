@@ -24,10 +24,18 @@ import torch
 
 from ...plan import SLOT_ALIGN
 from ..registry import channels_fastest
-from .build import CompiledKernel, get_kernel, import_cupy, kernel_name, transpose_name
+from .build import (
+    CompiledKernel,
+    get_kernel,
+    import_cupy,
+    kernel_name,
+    kernel_target,
+    transpose_name,
+)
 from .configs import (
     WALKING_MAX_THREADS,
     KernelConfig,
+    block_threads,
     check_config,
     default_config,
     default_grad_input_algorithm,
@@ -254,11 +262,13 @@ class _Gemm:
                  out_dtype: torch.dtype | None = None, *, grad_in_place: bool = False,
                  staged_slots: int = 0) -> None:
         self.kernel = get_kernel(kernel_name(family, dtype, cfg, out_dtype,
-                                             grad_in_place=grad_in_place), device_index)
+                                             grad_in_place=grad_in_place), device_index,
+                                 **kernel_target(family))
         self.shared = shared_memory_bytes(family, cfg, grad_in_place=grad_in_place,
                                           staged_slots=staged_slots)
         self.kernel.allow_shared_memory(self.shared)
-        self.device_index, self.grid, self.block = device_index, grid, (cfg.threads, 1, 1)
+        self.device_index, self.grid = device_index, grid
+        self.block = (block_threads(family, cfg), 1, 1)
 
     def __call__(self, *args: int) -> None:
         _launch(self.kernel, self.device_index, self.grid, self.block, self.shared, args)

@@ -13,6 +13,7 @@
 // Each gathered row is contiguous along the axis that is not gathered, so every tile is
 // staged as whole 16-byte chunks.
 #include "knn_common.cuh"
+#include "knn_entry_walk.cuh"
 #include "knn_mma.cuh"
 #include "knn_neighbourhood.cuh"
 
@@ -441,82 +442,46 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
   float* const bias_of = reinterpret_cast<float*>(smem.behind);
   MmaTile<T, kWarpRows, kWarpCols, false> tile;
 
-  const int first_node = blockIdx.x * nodes_per_cta;
-  const int last_node = min(first_node + nodes_per_cta, nodes);
   const int j0 = blockIdx.y * kTileN;
   const int b0 = blockIdx.z * kTileM;
-  const int tiles_per_entry = width / kTileK;
-  const int first_entry = entry_start[first_node];
-  const int last_entry = entry_start[last_node];
-  const int tiles = (last_entry - first_entry) * tiles_per_entry;
+  EntryWalk walk(entry_start, entry_row, entry_cell, blockIdx.x * nodes_per_cta, nodes_per_cta,
+                 nodes, width / kTileK);
   stage_bias<T, kTileN, kThreads>(bias_of, bias, bias_is_float32, j0, n_extent);
 
-  auto store_node = [&](int node) {
-    tile.store(out + static_cast<size_t>(node) * n_extent, static_cast<size_t>(nodes) * n_extent,
-               b0 + warp_m * kWarpRows, batch, j0 + warp_n * kWarpCols, n_extent,
-               bias_of + warp_n * kWarpCols);
-  };
-
-  // load and compute each see the tiles in order: walk (entry, channel tile) without dividing.
-  // The table values a step needs are read one entry (or node) ahead into registers, so no
-  // step waits on a global load for its addresses.
-  int load_entry = first_entry, load_channel = 0;
-  int compute_entry = first_entry, compute_channel = 0, computed = 0;
-  int store_at = first_node;
-  auto entry_at = [&](int e, const int* values) { return e < last_entry ? values[e] : 0; };
-  int row_now = entry_at(first_entry, entry_row), cell_now = entry_at(first_entry, entry_cell);
-  int row_next = entry_at(first_entry + 1, entry_row);
-  int cell_next = entry_at(first_entry + 1, entry_cell);
-  // entry_start[n + 1] bounds node n's entries: that of store_at and of the node after it
-  auto bound_of = [&](int node) { return node < nodes ? entry_start[node + 1] : 0; };
-  int bound_now = bound_of(first_node), bound_next = bound_of(first_node + 1);
   auto load = [&](int tile_index, int stage) {
-    if (tile_index == tiles) return;  // the pipeline's last step computes nothing (see below)
-    const long long row = row_now;
-    const long long cell_row = static_cast<long long>(cell_now) * width;
-    const int i0 = load_channel * kTileK;
-    if (++load_channel == tiles_per_entry) {
-      load_channel = 0;
-      ++load_entry;
-      row_now = row_next;
-      cell_now = cell_next;
-      row_next = entry_at(load_entry + 1, entry_row);
-      cell_next = entry_at(load_entry + 1, entry_cell);
-    }
+    if (tile_index == walk.tiles) return;  // the pipeline's last step only stores (see below)
+    const EntryWalk::Step step = walk.next_load();
+    const long long cell_row = static_cast<long long>(step.cell) * width;
+    const int i0 = step.channel_tile * kTileK;
     stage_chunks_or_zero<T, kTileM, kTileK, kAPitch, kThreads, kAsync>(
         smem.a + stage * kAElems, act, [&](int r, int col) -> long long {
           const int b = b0 + r;
-          return b < batch ? b * act_batch_stride + row * width + i0 + col : -1;
+          return b < batch ? b * act_batch_stride + step.row * width + i0 + col : -1;
         });
     stage_rows<T, kTileK, kTileN, kBPitch, kThreads, kAsync>(
         smem.b + stage * kBElems, cells,
         [&](int r) { return (cell_row + i0 + r) * n_pitch + j0; });
   };
-  // Each step first stores the nodes whose entries all come before its tile (nodes without
-  // entries too); one step past the last tile stores the rest. One call site of store_node:
-  // a second inlined copy of the drain made ptxas spill.
+  // Each step first stores the nodes whose entries all come before its tile; one step past
+  // the last tile stores the rest. One call site of the store: a second inlined copy of the
+  // drain made ptxas spill.
   auto compute = [&](int stage) {
-    if (compute_channel == 0) {
-      while (store_at < last_node && bound_now <= compute_entry) {
-        store_node(store_at++);
-        tile.zero();
-        bound_now = bound_next;
-        bound_next = bound_of(store_at + 1);
-      }
+    while (walk.node_done()) {
+      tile.store(out + static_cast<size_t>(walk.next_done_node()) * n_extent,
+                 static_cast<size_t>(nodes) * n_extent, b0 + warp_m * kWarpRows, batch,
+                 j0 + warp_n * kWarpCols, n_extent, bias_of + warp_n * kWarpCols);
+      tile.zero();
     }
-    if (computed++ == tiles) return;
+    if (!walk.take_tile()) return;
     const T* a = smem.a + stage * kAElems + warp_m * kWarpRows * kAPitch;
     const T* b = smem.b + stage * kBElems + warp_n * kWarpCols;
 #pragma unroll 2  // see knn_forward
     for (int kk = 0; kk < kTileK; kk += 16) tile.multiply(a + kk, kAPitch, b + kk * kBPitch,
                                                           kBPitch);
-    if (++compute_channel == tiles_per_entry) {
-      compute_channel = 0;
-      ++compute_entry;
-    }
+    walk.tile_multiplied();
   };
   tile.zero();
-  pipeline<kStages>(0, tiles + 1, load, compute);
+  pipeline<kStages>(0, walk.tiles + 1, load, compute);
 }
 
 // dW by cell: grad_cells[entry_cell[e], i, j] += sum_b x[b, entry_row[e], i] *
