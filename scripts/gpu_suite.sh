@@ -14,7 +14,7 @@
 # h200_resnet18.json), neighbourhood, re-layout, torch_binned (h200_binned.*), host-path
 # (host.json), fovi whole-model (h200_fovi_models.*) and same-run anchor benchmarks' JSON/PNG,
 # in OUTDIR/logs.tar.gz (the anchor and
-# convergence stages need fovi, from WHEEL_DIR); each stage's exit status and time are
+# convergence stages need fovi, from WHEEL_DIR), the gather tuner's (tune_gather.json); each stage's exit status and time are
 # summarised in OUTDIR/summary.txt.
 # FOVI_TESTS: a file of fovi's own tests of the module-level kernel API (its
 # tests/test_knn_cuda.py, imports pointed at knnconv.cuda), run by the fovi_api stage.
@@ -93,6 +93,10 @@ stage ncu_relayouts 120 env KNNCONV_NCU=1 ncu --section SpeedOfLight \
   --section MemoryWorkloadAnalysis --section Occupancy -k regex:transpose -c 6 python3 \
   scripts/bench_relayouts.py "$out/logs/relayouts_ncu.json"
 stage fuzz 90 python3 scripts/fuzz_gpu.py --cases 2000 --seed 1 --out "$out/logs/fuzz.json"
+# the channels-last gather's tiles, mma.sync against warpgroup MMA, on published layers
+stage tune_gather 200 python3 scripts/tune_gather.py "$geometry" "$out/logs/tune_gather.json" \
+  rfmult-2:layer1.0.conv1:2048 rfmult-2:layer2.0.conv2:2048 rfmult-2:layer3.0.conv2:2048 \
+  rfmult-2:layer4.0.conv1:512 rfmult-2:layers.1.conv:2048 rfmult-2:layers.3.conv:2048
 # warpgroup MMA on shared-memory operands: the descriptor convention and accumulator layout
 stage wgmma_probe 60 python3 scripts/probe_wgmma.py --out "$out/logs/wgmma_probe.json"
 cat "$out/summary.txt"

@@ -26,6 +26,7 @@ EDGE_SHAPES = [  # (batch, cin, cout, nin, nout, k, v, padding)
     (17, 16, 32, 40, 9, 9, 9, 0.3),  # channels multiples of 16: the channels-last kernels
     (65, 64, 48, 30, 1, 7, 25, 0.5),
     (33, 3, 72, 40, 11, 25, 16, 0.2),  # an image layer: dW reads channels-last grad_y
+    (129, 96, 64, 30, 5, 9, 9, 0.3),  # on Hopper, the warpgroup-MMA gather both ways
 ]
 
 
@@ -62,6 +63,11 @@ def run_case(batch, cin, cout, nin, nout, k, v, padding, dtype, generator) -> fl
     weight_cl = weight.clone().requires_grad_()
     grad_y_cl = grad_y.transpose(1, 2).contiguous().transpose(1, 2)
     knnconv.knn_conv(leaf_cl, weight_cl, None, plan, "cuda").backward(grad_y_cl)
+    # the same on Hopper's warpgroup-MMA gather, where its tiles fit (elsewhere as above)
+    leaf_wgmma = leaf_cl.detach().clone().requires_grad_()
+    with knnconv.context.using(warpgroup_mma=True):
+        y_wgmma = knnconv.knn_conv(leaf_wgmma, weight, None, plan, "cuda")
+        y_wgmma.backward(grad_y_cl)
     # x without a gradient (an image): dW alone, reading channels-last grad_y where it can
     weight_image = weight.clone().requires_grad_()
     knnconv.knn_conv(x, weight_image, None, plan, "cuda").backward(grad_y_cl)
@@ -70,7 +76,8 @@ def run_case(batch, cin, cout, nin, nout, k, v, padding, dtype, generator) -> fl
     dx_ref, dw_ref = reference.backward_combined(plan, grad_y.double(), x.double(),
                                                  weight.double())
     return worst([relative_error(a, b) for a, b in
-                  ((y, y_ref), (dx, dx_ref), (dx_scattered, dx_ref), (leaf.grad, dx_ref),
+                  ((y, y_ref), (y_wgmma.detach(), y_ref), (leaf_wgmma.grad, dx_ref),
+                   (dx, dx_ref), (dx_scattered, dx_ref), (leaf.grad, dx_ref),
                    (dw, dw_ref), (leaf_cl.grad, dx_ref), (weight_cl.grad, dw_ref),
                    (weight_image.grad, dw_ref))])
 

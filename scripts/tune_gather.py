@@ -30,8 +30,8 @@ from knnconv.tools.bench import graph_replay_ms
 
 WGMMA = "gather_cl_wgmma"
 # (bn, bk, warpgroups, stages) of the warpgroup-MMA gather: shallow K steps get more stages
-WGMMA_SPACE = [(bn, bk, rb, stages) for bn in (64, 128) for bk in (32, 64) for rb in (1, 2)
-               for stages in ((4, 6) if bk == 32 else (3, 4))]
+WGMMA_SPACE = [(bn, bk, rb, stages) for bn in (64, 128, 256) for bk in (32, 64)
+               for rb in (1, 2) for stages in ((4, 6) if bk == 32 else (3, 4))]
 WALKS = (None, 1, 4)  # nodes per CTA; None: the default
 
 

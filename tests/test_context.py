@@ -11,10 +11,11 @@ def test_the_environment_sets_the_settings_and_reset_rereads_it(monkeypatch, tmp
     monkeypatch.setenv("KNNCONV_AUTOTUNE", "1")
     monkeypatch.setenv("KNNCONV_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("KNNCONV_KEEP_INPUT_RELAYOUT", "off")
+    monkeypatch.setenv("KNNCONV_WARPGROUP_MMA", "yes")
     assert not context.settings().autotune  # read when knnconv was imported
     context.reset()
     settings = context.settings()
-    assert settings.autotune and settings.cache_dir == tmp_path
+    assert settings.autotune and settings.cache_dir == tmp_path and settings.warpgroup_mma
     assert not settings.keep_input_relayout
 
 
@@ -35,6 +36,7 @@ def test_using_restores_the_settings_even_on_error():
 
 @pytest.mark.parametrize("changes, error, message", [
     ({"autotune": 1}, TypeError, "autotune must be a bool"),
+    ({"warpgroup_mma": "on"}, TypeError, "warpgroup_mma must be a bool"),
     ({"cache_dir": None}, TypeError, "cache_dir must be a path"),
     ({"colour": True}, TypeError, "unknown knnconv settings"),
     ({"cuda_include_dir": "/no/such/include"}, ValueError, "is not a directory"),

@@ -11,6 +11,11 @@ keep_input_relayout    KNNCONV_KEEP_INPUT_RELAYOUT whether a training forward ke
 autotune               KNNCONV_AUTOTUNE            whether ``backend="auto"`` times the backends on
                                                    a cell's first call and keeps the fastest
                                                    (knnconv.ops.autotune); default off
+warpgroup_mma          KNNCONV_WARPGROUP_MMA       whether Hopper GPUs (compute capability 9.0) take
+                                                   the warpgroup-MMA channels-last gather where
+                                                   tiles.json has a rule for the layer; default
+                                                   off (slower than the mma.sync gather on the
+                                                   published layers so far: bench/NOTES.md)
 cache_dir              KNNCONV_CACHE_DIR           where the autotuner keeps its choices
                                                    (default ~/.cache/knnconv)
 cuda_include_dir       KNNCONV_CUDA_INCLUDE        the CUDA headers' directory for the runtime
@@ -38,8 +43,9 @@ import threading
 from pathlib import Path
 
 ENVIRONMENT = {"keep_input_relayout": "KNNCONV_KEEP_INPUT_RELAYOUT",
-               "autotune": "KNNCONV_AUTOTUNE", "cache_dir": "KNNCONV_CACHE_DIR",
-               "cuda_include_dir": "KNNCONV_CUDA_INCLUDE"}
+               "autotune": "KNNCONV_AUTOTUNE", "warpgroup_mma": "KNNCONV_WARPGROUP_MMA",
+               "cache_dir": "KNNCONV_CACHE_DIR", "cuda_include_dir": "KNNCONV_CUDA_INCLUDE"}
+FLAGS = ("keep_input_relayout", "autotune", "warpgroup_mma")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 # Where a CUDA toolkit announces itself; each names a root holding include/.
 TOOLKIT_ROOT_VARIABLES = ("CUDA_PATH", "CUDA_HOME", "CUDA_ROOT")
@@ -49,6 +55,7 @@ TOOLKIT_ROOT_VARIABLES = ("CUDA_PATH", "CUDA_HOME", "CUDA_ROOT")
 class Settings:
     keep_input_relayout: bool = False
     autotune: bool = False
+    warpgroup_mma: bool = False
     cache_dir: Path = Path.home() / ".cache" / "knnconv"
     cuda_include_dir: Path | None = None
 
@@ -68,7 +75,7 @@ def _from_environment() -> Settings:
         raw = os.environ.get(variable)
         if raw is None or (raw == "" and name in ("cache_dir", "cuda_include_dir")):
             continue
-        values[name] = _flag(variable, raw) if name in ("keep_input_relayout", "autotune") \
+        values[name] = _flag(variable, raw) if name in FLAGS \
             else Path(raw).expanduser()
     return _checked(Settings(), values, source="environment")
 
@@ -80,7 +87,7 @@ def _checked(base: Settings, changes: dict, *, source: str) -> Settings:
     if unknown:
         raise TypeError(f"unknown knnconv settings {sorted(unknown)}; known: "
                         f"{[field.name for field in dataclasses.fields(Settings)]}")
-    for name in ("keep_input_relayout", "autotune"):
+    for name in FLAGS:
         if name in changes and not isinstance(changes[name], bool):
             raise TypeError(f"{name} must be a bool, got {type(changes[name]).__name__}")
     for name in ("cache_dir", "cuda_include_dir"):

@@ -159,12 +159,15 @@ def test_every_warpgroup_mma_rule_matches_float64(dtype, name):
 
 @pytest.mark.skipif(torch.cuda.get_device_capability() != configs.ARCHITECTURE_FAMILIES[WGMMA],
                     reason="warpgroup MMA runs on compute capability 9.0 only")
-def test_hopper_takes_the_warpgroup_mma_gather_by_default():
+@pytest.mark.parametrize("setting", (False, True))
+def test_hopper_takes_the_warpgroup_mma_gather_when_the_setting_asks(setting):
     sizes = dict(batch=256, cin=128, nin=64, cout=128, nout=64, v=9, entries=576,
                  dtype=torch.float16, device=DEVICE)
-    assert channels_last.ChannelsLastForward(**sizes).family == WGMMA
-    backward = channels_last.ChannelsLastBackward(**sizes, need_weight=False)
-    assert backward.kernel_keys["input"][0] == WGMMA
+    expected = WGMMA if setting else "gather_cl"
+    with knnconv.context.using(warpgroup_mma=setting):
+        assert channels_last.ChannelsLastForward(**sizes).family == expected
+        backward = channels_last.ChannelsLastBackward(**sizes, need_weight=False)
+        assert backward.kernel_keys["input"][0] == expected
 
 
 @pytest.mark.parametrize("grad_dtype", (torch.float32, torch.float16))
@@ -189,25 +192,28 @@ def test_a_batch_slice_and_a_contiguous_grad_y_are_read_correctly():
         assert rel_err(value, want) < GRAD_TOLERANCE
 
 
+@pytest.mark.parametrize("warpgroup_mma", (False, True))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_the_training_impls_take_the_channels_last_kernels(dtype):
+def test_the_training_impls_take_the_channels_last_kernels(dtype, warpgroup_mma):
     # forward_impl / backward_impl, as the autograd Function and the custom ops run them, on
     # a channels-last activation: fp32 master weights cast to the compute dtype, dx in x's
-    # storage
+    # storage; the gather on warpgroup MMA when the setting asks for it on Hopper
     plan, x, weight, bias, grad_y = make_case(9, batch=129, cin=64, cout=96, dtype=dtype,
                                               nin=80, nout=41, k=9, padding=0.1)
     ops = knn_cuda.CudaOps()
     x = x.requires_grad_()
     w32 = weight.float().requires_grad_()
     b32 = bias.float().requires_grad_()
-    y = knnconv.ops.execute.forward_impl(plan, ops, x, w32, b32, dtype, False)[0]
-    grads = knnconv.ops.execute.backward_impl(plan, ops, grad_y, x.detach(), w32.detach(),
-                                              (True, True, True),
-                                              (dtype, torch.float32, torch.float32), dtype,
-                                              dx_channels_last=True)
+    with knnconv.context.using(warpgroup_mma=warpgroup_mma):
+        y = knnconv.ops.execute.forward_impl(plan, ops, x, w32, b32, dtype, False)[0]
+        grads = knnconv.ops.execute.backward_impl(plan, ops, grad_y, x.detach(), w32.detach(),
+                                                  (True, True, True),
+                                                  (dtype, torch.float32, torch.float32), dtype,
+                                                  dx_channels_last=True)
     families = {key[0] for key in ops._verified}
-    gathers = {"gather_cl", WGMMA} & families  # the gather of the device's choice
-    assert gathers and "grad_weight_cl" in families and "forward" not in families
+    hopper = torch.cuda.get_device_capability() == configs.ARCHITECTURE_FAMILIES[WGMMA]
+    gather = WGMMA if warpgroup_mma and hopper else "gather_cl"
+    assert {gather, "grad_weight_cl"} <= families and "forward" not in families
     expected = reference(plan, x.detach(), weight, bias.to(dtype), grad_y)
     assert rel_err(y, expected[0]) < FORWARD_TOLERANCE[dtype]
     assert grads[0].transpose(1, 2).is_contiguous() and grads[0].dtype == dtype

@@ -9,8 +9,10 @@ from knnconv.ops.cuda.configs import (
     KernelConfig,
     _choose,
     _rules,
+    block_threads,
     check_config,
     default_config,
+    default_gather_cl_choice,
     default_grad_input_config,
     default_grad_weight_config,
     default_nodes_per_cta,
@@ -86,3 +88,41 @@ def test_a_grad_weight_tile_is_checked_with_the_b_stage_it_stages():
     check_config("grad_weight", cfg, max_shared_bytes=relaid)
     with pytest.raises(ValueError, match="shared memory"):
         check_config("grad_weight", cfg, max_shared_bytes=relaid, grad_in_place=True)
+
+
+WGMMA = "gather_cl_wgmma"
+
+
+@pytest.mark.parametrize("capability, setting, width, expected", [
+    ((9, 0), True, 128, WGMMA),
+    ((9, 0), False, 128, "gather_cl"),   # the setting is off by default
+    ((8, 0), True, 128, "gather_cl"),    # warpgroup MMA is Hopper's alone
+    ((12, 0), True, 128, "gather_cl"),
+    ((9, 0), True, 48, "gather_cl"),     # no warpgroup-MMA channel tile divides 48
+])
+def test_the_warpgroup_mma_gather_is_chosen_on_hopper_when_asked_for(capability, setting,
+                                                                     width, expected):
+    family, cfg = default_gather_cl_choice(512, 128, width, 1000, capability,
+                                           warpgroup_mma=setting)
+    assert family == expected
+    check_config(family, cfg, width=width)
+
+
+def test_a_warpgroup_mma_cta_counts_its_staging_warpgroup():
+    cfg = KernelConfig(64, 128, 64, 2, 8, 1, 4, True, 8)
+    assert block_threads(WGMMA, cfg) == 384 and block_threads("gather_cl", cfg) == 256
+    # core-matrix tiles have no row padding; two 8-byte mbarriers a stage, the bias columns
+    assert shared_memory_bytes(WGMMA, cfg) == 4 * ((128 * 64 + 64 * 128) * 2 + 16) + 128 * 4
+
+
+@pytest.mark.parametrize("config, problem", [
+    ((64, 96, 64, 2, 8, 1, 4, True, 8), "bn one of"),       # no m64n96 instantiation
+    ((64, 128, 64, 2, 4, 2, 4, True, 8), "wm 4\\*rb, wn 1"),  # warps not in warpgroups
+    ((32, 128, 64, 1, 2, 1, 4, True, 8), "bm 64"),
+    ((64, 128, 64, 2, 8, 1, 2, True, 8), "ksteps >= 3"),    # staging runs a tile ahead
+    ((64, 128, 64, 2, 8, 1, 4, False, 8), "async_copy"),
+    ((64, 256, 64, 2, 8, 1, 6, True, 8), "shared memory"),
+])
+def test_warpgroup_mma_tiles_the_kernel_cannot_run_are_refused(config, problem):
+    with pytest.raises(ValueError, match=problem):
+        check_config(WGMMA, KernelConfig(*config))

@@ -14,6 +14,7 @@ from collections import OrderedDict
 
 import torch
 
+from ... import context
 from ...plan import GeometryPlan, KNNConvPlan, NeighbourhoodPlan
 from ..registry import KNNConvOps, channels_fastest, in_storage, is_channels_last
 from ..torch_compact import TorchCompactOps
@@ -217,7 +218,9 @@ class CudaOps(KNNConvOps):
 
     def _forward_in_place(self, plan, x, weight, bias):
         device, batch = x.device, x.shape[0]
-        launch = self._launch_plan(plan, device, ("forward_cl", batch, x.dtype), lambda: (
+        # the gather kernel follows knnconv.context's warpgroup_mma: a plan per setting
+        launch = self._launch_plan(plan, device, ("forward_cl", batch, x.dtype,
+                                                  context.settings().warpgroup_mma), lambda: (
             channels_last.ChannelsLastForward(
                 batch=batch, cin=plan.cin, nin=plan.nin, cout=plan.cout, nout=plan.nout,
                 v=plan.v, entries=plan.entry_count, dtype=x.dtype, device=device)))
@@ -320,7 +323,8 @@ class CudaOps(KNNConvOps):
         device, batch = grad_y.device, grad_y.shape[0]
         need_input, need_weight, need_bias = needs
         launch = self._launch_plan(
-            plan, device, ("backward_cl", batch, grad_y.dtype, needs, grad_dtypes),
+            plan, device, ("backward_cl", batch, grad_y.dtype, needs, grad_dtypes,
+                           context.settings().warpgroup_mma),
             lambda: channels_last.ChannelsLastBackward(
                 batch=batch, cin=plan.cin, nin=plan.nin, cout=plan.cout, nout=plan.nout,
                 v=plan.v, entries=plan.entry_count, dtype=grad_y.dtype, device=device,

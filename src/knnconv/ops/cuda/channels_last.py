@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ... import context
 from .configs import (
     KernelConfig,
     channels_last_width_multiple,
@@ -101,7 +102,8 @@ def _gather_plan(family: str | None, config: KernelConfig | None, batch: int, n:
     gather_cl by default), or the device's default (see default_gather_cl_choice)."""
     if config is None:
         family, config = default_gather_cl_choice(
-            batch, n, width, nodes, torch.cuda.get_device_capability(device_index))
+            batch, n, width, nodes, torch.cuda.get_device_capability(device_index),
+            warpgroup_mma=context.settings().warpgroup_mma)
     family = family or "gather_cl"
     return family, check_config(family, config, width=width,
                                 max_shared_bytes=_shared_memory_limit(device_index))

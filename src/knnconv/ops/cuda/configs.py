@@ -26,9 +26,10 @@ cl             one entry (divides Cin)
 On Hopper (compute capability 9.0) gather_cl has a warpgroup-MMA variant, gather_cl_wgmma
 (kernels/knn_conv_sm90.cu, built for sm_90a), warp-specialised: ``rb`` consumer warpgroups of
 four warps each own ``bm`` = 64 batch rows (so ``wm`` = 4 * rb, ``wn`` = 1) and one more
-warpgroup stages the tiles (:func:`block_threads` counts it); ``bn`` is 64 or 128 (one
+warpgroup stages the tiles (:func:`block_threads` counts it); ``bn`` is 64, 128 or 256 (one
 wgmma's N), and ``ksteps`` >= 3 stages, staged ksteps - 2 tiles ahead. tiles.json's
-``gather_cl_wgmma`` rules are tried first there; a layer no rule fits takes gather_cl.
+``gather_cl_wgmma`` rules are tried first there when knnconv.context's ``warpgroup_mma`` is
+on (off by default); a layer no rule fits takes gather_cl.
 
 grad_input runs a gather over the reversed graph (each input node gathers the
 output nodes that read it), so every dx element is written once, without atomics; layers
@@ -55,7 +56,7 @@ FAMILIES = ("forward", "grad_input", "grad_input_scatter", "grad_weight")
 CHANNELS_LAST_FAMILIES = ("gather_cl", "grad_weight_cl")
 # variants for one architecture: family -> the compute capability it runs on
 ARCHITECTURE_FAMILIES = {"gather_cl_wgmma": (9, 0)}
-WGMMA_TILE_N = (64, 128)  # the wgmma shapes knn_conv_sm90.cu instantiates
+WGMMA_TILE_N = (64, 128, 256)  # the wgmma shapes knn_conv_sm90.cu instantiates
 ELEMENT_BYTES = 2
 CHUNK_ELEMENTS = 8
 SHARED_PAD = 8  # must match kPad in kernels/knn_common.cuh
@@ -253,11 +254,12 @@ def default_gather_cl_config(batch: int, n: int, width: int, nodes: int) -> Kern
 
 
 def default_gather_cl_choice(batch: int, n: int, width: int, nodes: int,
-                             capability: tuple[int, int]) -> tuple[str, KernelConfig]:
+                             capability: tuple[int, int], *,
+                             warpgroup_mma: bool) -> tuple[str, KernelConfig]:
     """(family, geometry) of a channels-last gather on a device of this compute capability:
-    the first gather_cl_wgmma rule that fits on Hopper, else gather_cl's
-    (:func:`default_gather_cl_config`)."""
-    if tuple(capability) == ARCHITECTURE_FAMILIES["gather_cl_wgmma"]:
+    with ``warpgroup_mma`` (knnconv.context's setting), the first gather_cl_wgmma rule that
+    fits on Hopper; else gather_cl's (:func:`default_gather_cl_config`)."""
+    if warpgroup_mma and tuple(capability) == ARCHITECTURE_FAMILIES["gather_cl_wgmma"]:
         try:
             return "gather_cl_wgmma", _choose("gather_cl_wgmma", batch, n, SLOT_ALIGN, nodes,
                                               width)

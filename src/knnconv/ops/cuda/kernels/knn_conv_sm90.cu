@@ -43,23 +43,39 @@ __device__ __forceinline__ int n_major_offset(int row, int chunk) {
          (row % 8) * 16;
 }
 
-// cp.async of a [kRows x kChunks] tile of 16-byte chunks by kThreads threads (this one
-// `thread`), zeros where source(row, chunk) is -1. Thread pairs take two chunks of one row (one 32-byte sector of global memory) and a
-// warp sixteen consecutive rows, which land in 512 contiguous bytes of either core-matrix
-// layout: no bank conflicts.
-template <typename T, int kRows, int kChunks, int kThreads, typename Source, typename Place>
-__device__ __forceinline__ void stage_core_matrices(unsigned char* tile,
-                                                    const T* __restrict__ base, int thread,
-                                                    Source source, Place place) {
+// One thread's share of the cp.async copies that stage a [kRows x kChunks] tile of 16-byte
+// chunks, tile after tile. Where each chunk comes from (relative to the tile's origin in
+// global memory) and where it lands are the same for every tile, so they are worked out once:
+// staging a tile is then one address add and one copy a chunk. Thread pairs take two chunks
+// of one row (one 32-byte sector of global memory) and a warp sixteen consecutive rows, which
+// land in 512 contiguous bytes of either core-matrix layout: no bank conflicts.
+template <int kRows, int kChunks, int kThreads>
+struct CoreMatrixCopies {
   static_assert(kChunks % 2 == 0 && (kRows * kChunks) % kThreads == 0, "whole chunk pairs");
+  static constexpr int kCount = kRows * kChunks / kThreads;
+  long long from[kCount];  // element offset from the tile's origin; -1: the chunk is zeros
+  int to[kCount];          // byte offset in the staged tile
+
+  // source(row, chunk): the element offset, or -1; place(row, chunk): the byte offset
+  template <typename Source, typename Place>
+  __device__ __forceinline__ CoreMatrixCopies(int thread, Source source, Place place) {
 #pragma unroll
-  for (int pass = 0; pass < kRows * kChunks / kThreads; ++pass) {
-    const int i = pass * kThreads + thread;
-    const int row = (i / 2) % kRows, chunk = (i / (2 * kRows)) * 2 + i % 2;
-    const long long start = source(row, chunk);
-    cp_async_16_or_zero(tile + place(row, chunk), base + (start < 0 ? 0 : start), start >= 0);
+    for (int p = 0; p < kCount; ++p) {
+      const int i = p * kThreads + thread;
+      const int row = (i / 2) % kRows, chunk = (i / (2 * kRows)) * 2 + i % 2;
+      from[p] = source(row, chunk);
+      to[p] = place(row, chunk);
+    }
   }
-}
+
+  template <typename T>
+  __device__ __forceinline__ void issue(unsigned char* tile, const T* origin) const {
+#pragma unroll
+    for (int p = 0; p < kCount; ++p) {
+      cp_async_16_or_zero(tile + to[p], origin + (from[p] < 0 ? 0 : from[p]), from[p] >= 0);
+    }
+  }
+};
 
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -125,11 +141,40 @@ struct Wgmma;
     }                                                                                          \
   };
 
+#define KNN_WGMMA_256(TYPE, PTX_TYPE)                                                          \
+  template <>                                                                                  \
+  struct Wgmma<TYPE, 256> {                                                                    \
+    static __device__ __forceinline__ void step(float (&acc)[32][4], unsigned long long a,     \
+                                                unsigned long long b) {                        \
+      asm volatile(                                                                            \
+          "wgmma.mma_async.sync.aligned.m64n256k16.f32." PTX_TYPE "." PTX_TYPE " {"           \
+          "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "                                   \
+          "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "                         \
+          "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "                         \
+          "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                         \
+          "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, "                         \
+          "%60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, "                         \
+          "%72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, "                         \
+          "%84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                         \
+          "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, "                 \
+          "%108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, "             \
+          "%120, %121, %122, %123, %124, %125, %126, %127}, "                                    \
+          "%128, %129, 1, 1, 1, 0, 1;\n"                                                        \
+          : KNN_ACC8(0), KNN_ACC8(2), KNN_ACC8(4), KNN_ACC8(6), KNN_ACC8(8), KNN_ACC8(10),     \
+            KNN_ACC8(12), KNN_ACC8(14), KNN_ACC8(16), KNN_ACC8(18), KNN_ACC8(20),              \
+            KNN_ACC8(22), KNN_ACC8(24), KNN_ACC8(26), KNN_ACC8(28), KNN_ACC8(30)               \
+          : "l"(a), "l"(b));                                                                   \
+    }                                                                                          \
+  };
+
 KNN_WGMMA_64(__half, "f16")
 KNN_WGMMA_64(__nv_bfloat16, "bf16")
 KNN_WGMMA_128(__half, "f16")
 KNN_WGMMA_128(__nv_bfloat16, "bf16")
+KNN_WGMMA_256(__half, "f16")
+KNN_WGMMA_256(__nv_bfloat16, "bf16")
 #undef KNN_WGMMA_64
+#undef KNN_WGMMA_256
 #undef KNN_WGMMA_128
 #undef KNN_ACC8
 
@@ -210,8 +255,22 @@ __global__ void __launch_bounds__((kConsumers + 1) * kWarpgroup, 1)
   }
   __syncthreads();
 
-  if (warpgroup == kConsumers) {  // the staging warpgroup
+  auto produce = [&]() {
     const int tid = threadIdx.x - kConsumers * kWarpgroup;
+    // the batch rows of an input row, and the weight rows of a cell's channel tile
+    const CoreMatrixCopies<kTileM, kTileK / kChunk, kWarpgroup> rows(
+        tid,
+        [&](int r, int chunk) -> long long {
+          const int b = b0 + r;
+          return b < batch ? b * act_batch_stride + chunk * kChunk : -1;
+        },
+        k_major_offset<kTileM>);
+    const CoreMatrixCopies<kTileK, kTileN / kChunk, kWarpgroup> weights(
+        tid,
+        [&](int r, int chunk) -> long long {
+          return static_cast<long long>(r) * n_pitch + j0 + chunk * kChunk;
+        },
+        n_major_offset<kTileN>);
     auto land = [&](int tile) {  // this thread's copies of `tile` are done: publish them
       fence_async_shared();
       mbarrier_arrive(full + tile % kStages);
@@ -220,22 +279,10 @@ __global__ void __launch_bounds__((kConsumers + 1) * kWarpgroup, 1)
       const int stage = tile % kStages;
       if (tile >= kStages) mbarrier_wait(empty + stage, (tile / kStages - 1) & 1);
       const EntryWalk::Step step = walk.next_load();
-      const long long act_row = step.row * width + step.channel_tile * kTileK;
-      const long long cell_row =
-          static_cast<long long>(step.cell) * width + step.channel_tile * kTileK;
-      stage_core_matrices<T, kTileM, kTileK / kChunk, kWarpgroup>(
-          a_tiles + stage * kABytes, act, tid,
-          [&](int r, int chunk) -> long long {
-            const int b = b0 + r;
-            return b < batch ? b * act_batch_stride + act_row + chunk * kChunk : -1;
-          },
-          k_major_offset<kTileM>);
-      stage_core_matrices<T, kTileK, kTileN / kChunk, kWarpgroup>(
-          b_tiles + stage * kBBytes, cells, tid,
-          [&](int r, int chunk) -> long long {
-            return (cell_row + r) * n_pitch + j0 + chunk * kChunk;
-          },
-          n_major_offset<kTileN>);
+      const long long channel = step.channel_tile * kTileK;
+      rows.issue(a_tiles + stage * kABytes, act + step.row * width + channel);
+      weights.issue(b_tiles + stage * kBBytes,
+                    cells + (static_cast<long long>(step.cell) * width + channel) * n_pitch);
       cp_async_commit();
       if (tile >= kAhead) {
         cp_async_wait<kAhead>();
@@ -244,40 +291,47 @@ __global__ void __launch_bounds__((kConsumers + 1) * kWarpgroup, 1)
     }
     cp_async_wait<0>();
     for (int tile = max(0, walk.tiles - kAhead); tile < walk.tiles; ++tile) land(tile);
-    return;
-  }
-
-  MmaTile<T, 16, kTileN, false> tile;  // the accumulators, in the layout its store reads
-  const int warp_in_group = (threadIdx.x % kWarpgroup) / kWarp;
-  const unsigned char* const a_group = a_tiles + warpgroup * 8 * kGroupBytes;
-  int tile_index = 0, held = -1;  // held: the buffer whose products may still be in flight
-  tile.zero();
-  for (int node = first_node; node < walk.last_node; ++node) {
-    const int node_tiles = (entry_start[node + 1] - entry_start[node]) * walk.tiles_per_entry;
-    for (int t = 0; t < node_tiles; ++t, ++tile_index) {
-      const int stage = tile_index % kStages;
-      mbarrier_wait(full + stage, (tile_index / kStages) & 1);
-      fence_operands(tile.acc[0]);
-      wgmma_fence();
+  };
+  auto consume = [&]() {
+    MmaTile<T, 16, kTileN, false> tile;  // the accumulators, in the layout its store reads
+    const int warp_in_group = (threadIdx.x % kWarpgroup) / kWarp;
+    const unsigned char* const a_group = a_tiles + warpgroup * 8 * kGroupBytes;
+    int tile_index = 0, held = -1;  // held: the buffer whose products may still be in flight
+    tile.zero();
+    for (int node = first_node; node < walk.last_node; ++node) {
+      const int node_tiles =
+          (entry_start[node + 1] - entry_start[node]) * walk.tiles_per_entry;
+      for (int t = 0; t < node_tiles; ++t, ++tile_index) {
+        const int stage = tile_index % kStages;
+        mbarrier_wait(full + stage, (tile_index / kStages) & 1);
+        fence_operands(tile.acc[0]);
+        wgmma_fence();
 #pragma unroll
-      for (int s = 0; s < kTileK / 16; ++s) {
-        Wgmma<T, kTileN>::step(
-            tile.acc[0], core_matrix_descriptor(a_group + stage * kABytes + s * kAStepBytes),
-            core_matrix_descriptor(b_tiles + stage * kBBytes + s * kBStepBytes));
+        for (int s = 0; s < kTileK / 16; ++s) {
+          Wgmma<T, kTileN>::step(
+              tile.acc[0], core_matrix_descriptor(a_group + stage * kABytes + s * kAStepBytes),
+              core_matrix_descriptor(b_tiles + stage * kBBytes + s * kBStepBytes));
+        }
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_operands(tile.acc[0]);
+        if (held >= 0) mbarrier_arrive(empty + held);
+        held = stage;
       }
-      wgmma_commit();
-      wgmma_wait<1>();
+      wgmma_wait<0>();  // the node's last products, before its accumulators are read
       fence_operands(tile.acc[0]);
       if (held >= 0) mbarrier_arrive(empty + held);
-      held = stage;
+      held = -1;
+      tile.store(out + static_cast<size_t>(node) * n_extent,
+                 static_cast<size_t>(nodes) * n_extent,
+                 b0 + warpgroup * 64 + warp_in_group * 16, batch, j0, n_extent, bias_of);
+      tile.zero();
     }
-    wgmma_wait<0>();  // the node's last products, before its accumulators are read
-    fence_operands(tile.acc[0]);
-    if (held >= 0) mbarrier_arrive(empty + held);
-    held = -1;
-    tile.store(out + static_cast<size_t>(node) * n_extent, static_cast<size_t>(nodes) * n_extent,
-               b0 + warpgroup * 64 + warp_in_group * 16, batch, j0, n_extent, bias_of);
-    tile.zero();
+  };
+  if (warpgroup == kConsumers) {
+    produce();
+  } else {
+    consume();
   }
 }
 
