@@ -15,7 +15,7 @@ knnconv.bench_networks, each counted from before the backend's first call (the a
 caches emptied), so its tables and what it keeps between calls count too; the networks also
 with knnconv keeping its input re-layouts (knnconv.set_keep_input_relayout(True)).
 
-    python scripts/bench_anchor.py GEOMETRY_DIR OUT.json [--batches 128,512,2048]
+    python scripts/bench_anchor.py GEOMETRY_DIR OUT.json [--batches 128,512,2048] [--stems]
 
 Needs a GPU, CuPy and fovi 2.4.0 (see scripts/gpu_suite.sh for installing it offline).
 Writes OUT.json and a PNG beside it.
@@ -33,6 +33,7 @@ from knnconv.context import keep_input_relayout
 from knnconv.functional import knn_conv_with_backend
 from knnconv.tools.bench import (
     comma_list,
+    generated_stems,
     geomean,
     int_at_least,
     load_geometry_dir,
@@ -265,6 +266,8 @@ def main() -> None:
                         type=comma_list(int_at_least(1)))
     parser.add_argument("--repeats", type=int_at_least(1), default=10)
     parser.add_argument("--warmup", type=int_at_least(0), default=2)
+    parser.add_argument("--stems", action="store_true",
+                        help="also knnconv.tools.bench's generated three-channel stems")
     args = parser.parse_args()
     timing = {"warmup": args.warmup, "repeats": args.repeats}
     networks = []  # first, before any cell leaves caches behind
@@ -283,7 +286,8 @@ def main() -> None:
               f"{row['cuda_peak_mib']:.0f} MiB ({row['cuda_keeping_relayouts_peak_mib']:.0f} MiB "
               "keeping the input re-layouts)")
     rows = []
-    for layer in load_geometry_dir(args.geometry):
+    layers = load_geometry_dir(args.geometry) + (generated_stems() if args.stems else [])
+    for layer in layers:
         for batch in args.batches:
             for row in measure_cell(layer, batch, timing):
                 rows.append(row)

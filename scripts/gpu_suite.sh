@@ -51,8 +51,8 @@ fi
 # every backend's half-precision error at gradient scales 1e-8 .. 1e4, against float64
 stage magnitudes 120 python3 scripts/gradient_magnitudes.py --device cuda \
   --out "$out/logs/gpu_gradient_magnitudes.json"
-stage bench 240 python3 -m knnconv.tools.bench --geometry "$geometry" --out "$out" --dtypes float16 \
-  --backends reference,torch_compact,cuda --check --repeats 30 --warmup 3
+stage bench 240 python3 -m knnconv.tools.bench --geometry "$geometry" --stems --out "$out" \
+  --dtypes float16 --backends reference,torch_compact,cuda --check --repeats 30 --warmup 3
 mv -f "$out/h200.csv" "$out/logs/" 2>/dev/null
 stage networks 60 python3 -m knnconv.tools.bench_networks --geometry "$geometry" --out "$out"
 # the example networks' training steps, eager and under torch.compile(mode="reduce-overhead")
@@ -75,7 +75,7 @@ stage relayouts 60 python3 scripts/bench_relayouts.py "$out/logs/relayouts.json"
 stage bench_binned 120 python3 -m knnconv.tools.bench --geometry "$geometry" --out "$out/logs" \
   --dtypes float16 --backends torch_binned,cuda --modes forward,train --check --repeats 5 \
   --warmup 1 --name h200_binned
-stage anchor 240 python3 scripts/bench_anchor.py "$geometry" "$out/logs/anchor.json"
+stage anchor 240 python3 scripts/bench_anchor.py "$geometry" "$out/logs/anchor.json" --stems
 stage host 60 python3 scripts/bench_host.py "$geometry" "$out/logs/host.json"
 stage neighbourhood 120 python3 scripts/bench_neighbourhood.py "$out/logs/neighbourhood.json"
 stage demo 60 python3 -m knnconv demo --out "$out/demo.png"

@@ -286,3 +286,23 @@ def test_relative_error_on_known_values():
     assert bench.relative_error(torch.tensor([1.1]), torch.tensor([1.0])) == pytest.approx(0.1)
     assert bench.relative_error(torch.tensor([3.0, 4.0]), torch.zeros(2)) == pytest.approx(5.0)
     assert math.isnan(bench.relative_error(torch.tensor([math.nan]), torch.tensor([1.0])))
+
+
+def test_generated_stems_are_three_channel_image_layers_with_thousands_of_nodes():
+    stems = bench.generated_stems()
+    assert [stem.name for stem in stems] == [name for name, _ in bench.GENERATED_STEMS]
+    for stem in stems:
+        plan = stem.plan()
+        assert (plan.cin, plan.cout, plan.k, plan.v) == (3, 64, 49, 196)
+        assert plan.nin == plan.nout > 3000  # stride 1: every sensor sample is an output
+    assert [stem.name for stem in bench.generated_stems(["res72"])] == [stems[1].name]
+
+
+def test_the_stems_join_the_benchmark_set_when_asked(tmp_path):
+    rc = bench.main(["--layers", "stem-res64", "--stems", "--batches", "1", "--modes", "forward",
+                     "--backends", "torch_compact", "--dtypes", "float32", "--repeats", "1",
+                     "--warmup", "0", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "cpu.json").read_text())["rows"]
+    assert {row["layer"] for row in rows} == {"generated:stem-res64-k49"}
+    assert all(row["status"] == "ok" for row in rows)

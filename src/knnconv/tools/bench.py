@@ -177,6 +177,26 @@ def builtin_layers(filters: list[str] | None = None) -> list[BenchLayer]:
     return layers
 
 
+# Three-channel stems with thousands of nodes, a class the published geometry sets lack: a
+# stride-1 image layer (K = 49 over a 14 x 14 kernel grid, Cout 64) on foveated sensors of
+# 3,321 and 4,241 samples (images of 64 and 72 pixels a side), as in the low-resolution fovi
+# ResNet-18 stems. (name, sensor resolution)
+GENERATED_STEMS = (("generated:stem-res64-k49", 64), ("generated:stem-res72-k49", 72))
+STEM_K, STEM_GRID, STEM_CHANNELS = 49, 14, (3, 64)
+
+
+def generated_stems(filters: list[str] | None = None) -> list[BenchLayer]:
+    """GENERATED_STEMS' layers, built by knnconv.geometry (those ``filters`` keep)."""
+    layers = []
+    for name, resolution in GENERATED_STEMS:
+        if not _selected(name, filters):
+            continue
+        [sensor] = foveated_stack(resolution=resolution, levels=1)
+        knn_indices, rf_index, v = knn_geometry(sensor, sensor, STEM_K, ref_side=STEM_GRID)
+        layers.append(BenchLayer(name, knn_indices, rf_index, len(sensor), v, *STEM_CHANNELS))
+    return layers
+
+
 def load_anchors(path: Path) -> dict[tuple[str, int, str], float]:
     """The anchor's fp16 times by (layer, batch, mode), from a bench/anchors.json list."""
     anchors = {}
@@ -587,6 +607,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "AlexNet-like and ResNet-like layers")
     parser.add_argument("--layers", action="append", metavar="SUBSTR",
                         help="keep layers whose name contains SUBSTR (repeatable)")
+    parser.add_argument("--stems", action="store_true",
+                        help="also the generated three-channel stems with thousands of nodes "
+                             "(GENERATED_STEMS: Cin 3, K 49, V 196, 3,321 and 4,241 nodes)")
     parser.add_argument("--batches", type=comma_list(int_at_least(1)),
                         help="comma-separated batch sizes (default: 128,512,2048 on a GPU, "
                              "2,8 on a CPU)")
@@ -713,6 +736,8 @@ def run(args: argparse.Namespace) -> int:
         layers = load_geometry_dir(args.geometry, args.layers)
     else:
         layers = builtin_layers(args.layers)
+    if args.stems:
+        layers += generated_stems(args.layers)
     if not layers:
         print(f"no conv layer matches --layers {args.layers}", file=sys.stderr)
         return 2
