@@ -96,6 +96,7 @@ def device(monkeypatch):
     monkeypatch.setattr(launch, "get_kernel", lambda name, index: StubKernel(name))
     monkeypatch.setattr(launch, "_shared_memory_limit", lambda index: 227 * 1024)
     monkeypatch.setattr(launch, "_multiprocessors", lambda index: 132)
+    monkeypatch.setattr(launch, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(launch, "_launch", emulated.launch)
     monkeypatch.setattr(launch, "_zero", emulated.zero)
     transpose = launch._Transpose.__call__

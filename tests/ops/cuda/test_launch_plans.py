@@ -20,6 +20,7 @@ def plans(monkeypatch):
     monkeypatch.setattr(launch, "get_kernel", lambda name, index: UnbuiltKernel())
     monkeypatch.setattr(launch, "_shared_memory_limit", lambda index: 227 * 1024)
     monkeypatch.setattr(launch, "_multiprocessors", lambda index: 132)
+    monkeypatch.setattr(launch, "_capability", lambda index: (9, 0))
 
     def backward(algorithm, cin, grad_dtype, need_weight=True, batch_padding=None):
         return launch.BackwardLaunch(
@@ -186,6 +187,7 @@ def test_an_explicit_split_beyond_the_batch_k_steps_is_refused(monkeypatch, kspl
     monkeypatch.setattr(launch, "get_kernel", lambda name, index: UnbuiltKernel())
     monkeypatch.setattr(launch, "_shared_memory_limit", lambda index: 227 * 1024)
     monkeypatch.setattr(launch, "_multiprocessors", lambda index: 132)
+    monkeypatch.setattr(launch, "_capability", lambda index: (9, 0))
     # B = 17 pads to a few k-steps at most: 64 splits cannot each get one
     sizes = {"batch": 17, "cin": 8, "nin": 70, "cout": 64, "nout": 31, "q": 72, "p64": 128,
              "dtype": torch.float16, "device": torch.device("cuda", 0), "need_input": False}

@@ -45,12 +45,12 @@ from .launch import (
     backward,
     backward_combined,
     forward,
-    forward_batch_padding,
     grad_input,
     grad_weight,
     readable,
     reverse_tables,
 )
+from .launch_plan import forward_batch_padding
 
 __all__ = [
     "CudaOps", "KernelConfig", "ReverseTables", "TransposedInput", "backward",

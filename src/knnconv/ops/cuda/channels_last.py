@@ -21,33 +21,22 @@ from dataclasses import dataclass
 import torch
 
 from ... import context
-from .configs import (
-    KernelConfig,
-    channels_last_width_multiple,
-    check_config,
-    default_gather_cl_choice,
-    default_grad_weight_cl_config,
-    default_grad_weight_cl_ksplit,
-)
+from .configs import KernelConfig, channels_last_width_multiple
 from .launch import (
-    MAX_GRID_YZ,
     ReverseTables,
     _Carve,
     _Gemm,
-    _multiprocessors,
-    _nodes_per_cta,
     _pointer,
-    _round_up,
-    _shared_memory_limit,
     _Transpose,
     _weight_by_cell,
     _zero,
     bias_as_read,
     biased_kernel_key,
-    checked_ksplit,
+    device_limits,
     poisoned_or_empty_output,
     readable,
 )
+from .launch_plan import plan_channels_last_dw, plan_gather
 
 
 @dataclass
@@ -96,28 +85,6 @@ def _indexed(device: torch.device) -> torch.device:
     return device
 
 
-def _gather_plan(family: str | None, config: KernelConfig | None, batch: int, n: int,
-                 width: int, nodes: int, device_index: int) -> tuple[str, KernelConfig]:
-    """(family, checked geometry) of a knn_gather_cl call: the given config (of ``family``,
-    gather_cl by default), or the device's default (see default_gather_cl_choice)."""
-    if config is None:
-        family, config = default_gather_cl_choice(
-            batch, n, width, nodes, torch.cuda.get_device_capability(device_index),
-            warpgroup_mma=context.settings().warpgroup_mma)
-    family = family or "gather_cl"
-    return family, check_config(family, config, width=width,
-                                max_shared_bytes=_shared_memory_limit(device_index))
-
-
-def _batch_tiles(batch: int, cfg: KernelConfig) -> int:
-    """knn_gather_cl's CTAs along the batch (its grid's z extent)."""
-    tiles = -(-batch // cfg.tile_m)
-    if tiles > MAX_GRID_YZ:
-        raise ValueError(f"a batch of {batch} exceeds CUDA's grid limit for tiles of "
-                         f"{cfg.tile_m} rows; split the batch")
-    return tiles
-
-
 class ChannelsLastForward:
     """The forward of one (layer sizes, batch, dtype, device) on channels-last x: the weight
     re-laid out by cell (wc [V, Cin, cpad], wc[v, c, o] = W[o, c*V + v]) and knn_gather_cl over
@@ -130,19 +97,19 @@ class ChannelsLastForward:
                  nodes_per_cta: int | None = None) -> None:
         device = _indexed(device)
         index = device.index
-        self.family, self.cfg = family, cfg = _gather_plan(family, config, batch, cout, cin,
-                                                           nout, index)
+        self.plan = plan = plan_gather(
+            batch=batch, n=cout, width=cin, nodes=nout, entries=entries,
+            device=device_limits(index), warpgroup_mma=context.settings().warpgroup_mma,
+            family=family, config=config, nodes_per_cta=nodes_per_cta)
+        self.family, self.cfg = plan.gemm.family, plan.gemm.cfg
         self.batch, self.cin, self.cout, self.nout, self.v, self.dtype = (batch, cin, cout,
                                                                           nout, v, dtype)
-        self.cpad = cpad = _round_up(cout, cfg.bn)
-        grid_yz = (cpad // cfg.bn, _batch_tiles(batch, cfg))
-        mean_tiles = max(1, entries // max(1, nout)) * (cin // cfg.bk)
-        self.nodes_per_cta = _nodes_per_cta(nodes_per_cta, cfg, mean_tiles,
-                                            grid_yz[0] * grid_yz[1], nout, index)
+        self.cpad = cpad = plan.npad
+        self.nodes_per_cta = plan.gemm.nodes_per_cta
         self.weight_layout = _Transpose(dtype, dtype, index, (v, cout, cin), (v, cpad, cin),
                                         (cin * cpad, cpad))
-        self.gemm = _Gemm(family, cfg, dtype, index, (-(-nout // self.nodes_per_cta), *grid_yz))
-        self._kernel_key = (family, dtype, cfg, device, self.nodes_per_cta > 1,
+        self.gemm = _Gemm(plan.gemm, dtype, index)
+        self._kernel_key = (self.family, dtype, self.cfg, device, self.nodes_per_cta > 1,
                             cout % 2 == 0)  # column-pair stores (see ForwardLaunch)
 
     def kernel_key(self, bias: torch.Tensor | None) -> tuple:
@@ -187,7 +154,7 @@ class ChannelsLastBackward:
                  nodes_per_cta: int | None = None) -> None:
         device = _indexed(device)
         index = device.index
-        limit = _shared_memory_limit(index)
+        limits = device_limits(index)
         self.batch, self.cin, self.nin, self.cout, self.nout, self.v = (batch, cin, nin, cout,
                                                                         nout, v)
         self.dtype, self.grad_dtypes, self.device = dtype, grad_dtypes, device
@@ -195,44 +162,31 @@ class ChannelsLastBackward:
         self.kernel_keys: dict[str, tuple] = {}
         carve = _Carve()
         if need_input:
-            family, gi = _gather_plan(input_family, input_config, batch, cin, cout, nin, index)
-            self.cinpad = _round_up(cin, gi.bn)
-            grid_yz = (self.cinpad // gi.bn, _batch_tiles(batch, gi))
-            mean_tiles = max(1, entries // max(1, nin)) * (cout // gi.bk)
-            self.nodes_per_cta = _nodes_per_cta(nodes_per_cta, gi, mean_tiles,
-                                                grid_yz[0] * grid_yz[1], nin, index)
+            self.input_plan = plan = plan_gather(
+                batch=batch, n=cin, width=cout, nodes=nin, entries=entries, device=limits,
+                warpgroup_mma=context.settings().warpgroup_mma, family=input_family,
+                config=input_config, nodes_per_cta=nodes_per_cta)
+            self.cinpad, self.nodes_per_cta = plan.npad, plan.gemm.nodes_per_cta
             self.weight_at = carve.add(v * cout * self.cinpad * dtype.itemsize)
             self.weight_layout = _weight_by_cell(cout, cin, v, cout, self.cinpad, dtype, dtype,
                                                  index)
-            self.input_gemm = _Gemm(family, gi, dtype, index,
-                                    (-(-nin // self.nodes_per_cta), *grid_yz),
-                                    out_dtype=grad_dtypes[0])
-            self.kernel_keys["input"] = (family, dtype, gi, device, self.nodes_per_cta > 1,
-                                         cin % 2 == 0, grad_dtypes[0])
+            self.input_gemm = _Gemm(plan.gemm, dtype, index, out_dtype=grad_dtypes[0])
+            self.kernel_keys["input"] = (plan.gemm.family, dtype, plan.gemm.cfg, device,
+                                         self.nodes_per_cta > 1, cin % 2 == 0, grad_dtypes[0])
         self.zero_from = carve.size
         if need_weight:
-            gw = check_config("grad_weight_cl", weight_config or default_grad_weight_cl_config(
-                batch, cout, cin), width=cin, max_shared_bytes=limit)
-            self.wpad = _round_up(cout, gw.bn)
-            ctas = entries * (cin // gw.tile_m) * (self.wpad // gw.bn)
-            k_steps = -(-batch // gw.bk)
-            if ksplit is None:
-                ksplit = default_grad_weight_cl_ksplit(gw, batch, ctas, _multiprocessors(index))
-            else:
-                ksplit = checked_ksplit(ksplit, k_steps, batch, gw.bk)
-            self.per_split = -(-k_steps // ksplit)
-            splits = -(-k_steps // self.per_split)
-            if splits > MAX_GRID_YZ:
-                raise ValueError(f"{splits} batch slices exceed CUDA's grid limit")
-            self.weight_gemm = _Gemm("grad_weight_cl", gw, dtype, index,
-                                     (max(1, entries * (cin // gw.tile_m)), self.wpad // gw.bn,
-                                      splits))
+            self.weight_plan = plan = plan_channels_last_dw(
+                batch=batch, cin=cin, cout=cout, entries=entries, device=limits,
+                config=weight_config, ksplit=ksplit)
+            self.wpad, self.per_split = plan.wpad, plan.per_split
+            self.weight_gemm = _Gemm(plan.gemm, dtype, index)
             self.has_entries = entries > 0
             self.dw_at = carve.add(v * cin * self.wpad * 4)
             # dw[o, c*V + v] = acc[v, c, o]: z = c, a = v (dw's fastest), c = o
             self.restore_dw = _Transpose(torch.float32, grad_dtypes[1], index, (cin, v, cout),
                                          (cin, v, cout), (v, cin * v))
-            self.kernel_keys["weight"] = ("grad_weight_cl", dtype, gw, device, torch.float32)
+            self.kernel_keys["weight"] = ("grad_weight_cl", dtype, plan.gemm.cfg, device,
+                                          torch.float32)
         self.zero_bytes = carve.size - self.zero_from
         self.workspace_bytes = carve.size
 

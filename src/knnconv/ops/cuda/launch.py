@@ -1,8 +1,9 @@
-"""The host path: launch plans, operand re-layouts and raw-pointer launches.
+"""The host path: launches of planned kernels, operand re-layouts and raw-pointer launches.
 
-A launch plan (:class:`ForwardLaunch`, :class:`BackwardLaunch`) resolves everything that
-depends only on sizes, dtypes and the device (tile configs, padding, grids, compiled kernels)
-once; running it allocates the buffers and issues the launches. The registry ops cache plans
+A launch (:class:`ForwardLaunch`, :class:`BackwardLaunch`) takes its plan from
+:mod:`.launch_plan` (tiles, padding, grids: everything that depends only on sizes and the
+device), builds the kernels, re-layouts and workspace it names once, and running it allocates
+the buffers and issues the launches. The registry ops cache plans
 per layer and batch, so a call costs little more than its launches. Kernel arguments go to
 cuLaunchKernel (through CuPy's driver binding) as raw device pointers and integers, skipping
 DLPack export and CuPy's argument handling, so torch dtypes CuPy lacks (bfloat16) pass
@@ -32,19 +33,14 @@ from .build import (
     kernel_target,
     transpose_name,
 )
-from .configs import (
-    WALKING_MAX_THREADS,
-    KernelConfig,
-    block_threads,
-    check_config,
-    default_config,
-    default_grad_input_algorithm,
-    default_grad_input_config,
-    default_grad_input_scatter_config,
-    default_grad_weight_config,
-    default_grad_weight_ksplit,
-    default_nodes_per_cta,
-    shared_memory_bytes,
+from .configs import KernelConfig
+from .launch_plan import (
+    MAX_GRID_YZ,
+    DeviceLimits,
+    GemmPlan,
+    plan_backward,
+    plan_forward,
+    round_up,
 )
 
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
@@ -58,7 +54,6 @@ PAIRS_TILE = 64  # kPairsTile in knn_common.cuh
 # and only problems wide in both extents (the square tile) take transpose_pairs.
 SQUARE_TILE_LOG2 = 5
 MAX_KERNEL_ARGS = 20  # the parameter slots of one launch (see _ThreadLaunchState)
-MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 VECTOR_BYTES = 16  # every staged run is whole 16-byte chunks
 # grad_weight reading channels-last grad_y stages 16-byte runs of its Cout channels
 GRAD_IN_PLACE_COUT_MULTIPLE = 8
@@ -132,10 +127,6 @@ def _pointer(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.data_ptr()
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 @cache
 def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -145,6 +136,17 @@ def _multiprocessors(device_index: int) -> int:
 def _shared_memory_limit(device_index: int) -> int:
     """Dynamic shared memory one block may opt in to on this device."""
     return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
+@cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(device_index))
+
+
+def device_limits(device_index: int) -> DeviceLimits:
+    """What the launch planners need to know of a device."""
+    return DeviceLimits(_multiprocessors(device_index), _shared_memory_limit(device_index),
+                        _capability(device_index))
 
 
 def transpose_tile_log2(dst_a: int, dst_c: int) -> tuple[int, int]:
@@ -250,25 +252,22 @@ class _Carve:
 
     def add(self, nbytes: int) -> int:
         offset = self.size
-        self.size = _round_up(offset + nbytes, 256)
+        self.size = round_up(offset + nbytes, 256)
         return offset
 
 
 class _Gemm:
-    """One gathered-GEMM kernel with its grid, block and shared memory resolved
-    (``grad_in_place``, ``staged_slots``: see :func:`shared_memory_bytes`)."""
+    """One gathered-GEMM launch of a plan, its kernel built for the compute ``dtype`` (and the
+    ``out_dtype`` it stores, where the family takes one)."""
 
-    def __init__(self, family: str, cfg: KernelConfig, dtype, device_index: int, grid,
-                 out_dtype: torch.dtype | None = None, *, grad_in_place: bool = False,
-                 staged_slots: int = 0) -> None:
-        self.kernel = get_kernel(kernel_name(family, dtype, cfg, out_dtype,
-                                             grad_in_place=grad_in_place), device_index,
-                                 **kernel_target(family))
-        self.shared = shared_memory_bytes(family, cfg, grad_in_place=grad_in_place,
-                                          staged_slots=staged_slots)
-        self.kernel.allow_shared_memory(self.shared)
-        self.device_index, self.grid = device_index, grid
-        self.block = (block_threads(family, cfg), 1, 1)
+    def __init__(self, plan: GemmPlan, dtype, device_index: int,
+                 out_dtype: torch.dtype | None = None) -> None:
+        self.kernel = get_kernel(kernel_name(plan.family, dtype, plan.cfg, out_dtype,
+                                             grad_in_place=plan.grad_in_place), device_index,
+                                 **kernel_target(plan.family))
+        self.kernel.allow_shared_memory(plan.shared_bytes)
+        self.shared = plan.shared_bytes
+        self.device_index, self.grid, self.block = device_index, plan.grid, plan.block
 
     def __call__(self, *args: int) -> None:
         _launch(self.kernel, self.device_index, self.grid, self.block, self.shared, args)
@@ -315,7 +314,7 @@ class _InputLayout:
         self.batch, self.cin, self.nin = batch, cin, nin
         self.device_index = device_index
         item = dtype.itemsize
-        self.spare_offset = _round_up((rows + 1) * bpad * item, 256)
+        self.spare_offset = round_up((rows + 1) * bpad * item, 256)
         self.storage_rows = (-(-(self.spare_offset + spare_bytes) // (bpad * item))
                              if spare_bytes else 0)
         self.transpose = _Transpose(src_dtype, dtype, device_index, (1, batch, rows),
@@ -386,46 +385,6 @@ def reverse_tables(knn_indices: torch.Tensor, rf_index: torch.Tensor, nin: int) 
                          cell[order].int().contiguous())
 
 
-def _nodes_per_cta(requested: int | None, cfg: KernelConfig, k_tiles: int, ctas_per_node: int,
-                   nout: int, device_index: int) -> int:
-    if requested is None:
-        return default_nodes_per_cta(cfg, k_tiles, ctas_per_node, nout,
-                                     _multiprocessors(device_index))
-    if requested < 1 or (requested > 1 and cfg.threads > WALKING_MAX_THREADS):
-        raise ValueError(f"nodes_per_cta must be >= 1, and 1 for tiles of more than "
-                         f"{WALKING_MAX_THREADS} threads; got {requested} for {tuple(cfg)}")
-    return requested
-
-
-def _batch_multiple(*configs: tuple[str, KernelConfig]) -> int:
-    """What the padded batch must be a multiple of: every given (family, config)'s batch tile."""
-    return math.lcm(*(cfg.bk if family == "grad_weight" else cfg.tile_m
-                      for family, cfg in configs))
-
-
-def padded_batch(batch: int, *configs: tuple[str, KernelConfig]) -> int:
-    """The batch padded so every given (family, config)'s batch tile divides it."""
-    return _round_up(batch, _batch_multiple(*configs))
-
-
-def _default_backward_tiles(batch: int, cin: int, nin: int, cout: int, p64: int):
-    """The (family, config) pairs a default backward of this call would run."""
-    if default_grad_input_algorithm(cin) == "scatter":
-        grad_input_tiles = ("grad_input_scatter", default_grad_input_scatter_config(batch))
-    else:
-        grad_input_tiles = ("grad_input", default_grad_input_config(batch, cin, nin))
-    return grad_input_tiles, ("grad_weight", default_grad_weight_config(batch, cout, p64))
-
-
-def forward_batch_padding(batch: int, cin: int, nin: int, cout: int, nout: int, p64: int,
-                          cfg: KernelConfig | None = None) -> int:
-    """The padded batch of a forward's xt (of its tile ``cfg``, default: the default tile): its
-    own tile and the default backward's, so the backward can reuse xt."""
-    cfg = cfg or default_config(batch, cout, p64, nout=nout)
-    return padded_batch(batch, ("forward", cfg),
-                        *_default_backward_tiles(batch, cin, nin, cout, p64))
-
-
 def readable(t: torch.Tensor) -> bool:
     """Whether the kernels read [B, C, N] t in place: channels-last storage (any batch stride)
     whose every node row starts on a 16-byte boundary (the address, the batch stride and the
@@ -471,50 +430,33 @@ class ForwardLaunch:
     """The forward of one (layer sizes, batch, dtype, device): x and W re-layouts + gathered
     GEMM. wt lives in spare room allocated behind xt: one allocation besides y.
 
-    The padded batch also fits the default backward tiles, so the backward reuses xt. Each
-    node runs ``slots`` (its Cin*K real slots; default all P64) rounded up to the K tile; the
-    CTA's slot tables are staged in shared memory, so a walk of nodes per CTA is shortened
-    where its tables would not fit.
+    Its plan (launch_plan.plan_forward): the padded batch also fits the default backward
+    tiles, so the backward reuses xt; each node runs ``slots`` (its Cin*K real slots; default
+    all P64) rounded up to the K tile.
     """
 
     def __init__(self, *, batch: int, cin: int, nin: int, cout: int, nout: int, q: int,
                  p64: int, dtype: torch.dtype, device: torch.device,
                  config: KernelConfig | None = None, nodes_per_cta: int | None = None,
                  slots: int | None = None) -> None:
-        limit = _shared_memory_limit(device.index)
-        self.cfg = cfg = check_config(
-            "forward", config or default_config(batch, cout, p64, dtype, nout), p64=p64,
-            max_shared_bytes=limit)
-        if slots is not None and not 1 <= slots <= p64:
-            raise ValueError(f"slots must be in [1, P64 = {p64}], got {slots}")
-        self.slots = _round_up(slots or p64, cfg.bk)
-        bpad = forward_batch_padding(batch, cin, nin, cout, nout, p64, cfg)
-        self.batch, self.bpad, self.cpad = batch, bpad, _round_up(cout, cfg.bn)
-        grid_yz = (self.cpad // cfg.bn, bpad // cfg.tile_m)
-        self.nodes_per_cta = _nodes_per_cta(nodes_per_cta, cfg, self.slots // cfg.bk,
-                                            grid_yz[0] * grid_yz[1], nout, device.index)
-        while shared_memory_bytes("forward", cfg,
-                                  staged_slots=self.nodes_per_cta * self.slots) > limit:
-            if self.nodes_per_cta == 1 or nodes_per_cta is not None:
-                raise ValueError(
-                    f"the forward's slot tables ({self.nodes_per_cta} node(s) of {self.slots} "
-                    f"slots) and tiles {tuple(cfg)} need more than the device's {limit} B of "
-                    "shared memory; use smaller tiles or fewer nodes per CTA")
-            self.nodes_per_cta //= 2
+        self.plan = plan = plan_forward(
+            batch=batch, cin=cin, nin=nin, cout=cout, nout=nout, p64=p64,
+            device=device_limits(device.index), config=config, nodes_per_cta=nodes_per_cta,
+            slots=slots)
+        self.cfg, self.slots = plan.gemm.cfg, plan.slots
+        self.nodes_per_cta = plan.gemm.nodes_per_cta
+        self.batch, self.bpad, self.cpad = batch, plan.bpad, plan.cpad
         self.cout, self.nout, self.p64, self.dtype = cout, nout, p64, dtype
         self.y_shape = (batch, cout, nout)
         self.weight_layout = _weight_transposed(cout, q, self.cpad, dtype, dtype, device.index)
         wt_bytes = q * self.cpad * dtype.itemsize
-        self.input_layout = _InputLayout(batch, cin, nin, bpad, dtype, dtype,
+        self.input_layout = _InputLayout(batch, cin, nin, plan.bpad, dtype, dtype,
                                          device.index, spare_bytes=wt_bytes)
-        # the batch tiles of a node group are consecutive CTAs along x (see knn_forward)
-        self.gemm = _Gemm("forward", cfg, dtype, device.index,
-                          (-(-nout // self.nodes_per_cta) * grid_yz[1], grid_yz[0], 1),
-                          staged_slots=self.nodes_per_cta * self.slots)
+        self.gemm = _Gemm(plan.gemm, dtype, device.index)
         # What names the kernel a call runs, but for how it reads the bias (see kernel_key): the
         # paths it takes at run time, walking nodes or not, a column pair per store (even
         # Cout) or element stores. CudaOps verifies each on its first use.
-        self._kernel_key = ("forward", dtype, cfg, device, self.nodes_per_cta > 1,
+        self._kernel_key = ("forward", dtype, self.cfg, device, self.nodes_per_cta > 1,
                             cout % 2 == 0)
 
     def kernel_key(self, bias: torch.Tensor | None) -> tuple:
@@ -537,20 +479,6 @@ class ForwardLaunch:
                   y.data_ptr(), self.batch, self.bpad, self.cout, self.cpad, self.nout, self.p64,
                   self.slots, self.nodes_per_cta)
         return y, saved
-
-
-def checked_ksplit(ksplit, k_tiles: int, batch: int, bk: int) -> int:
-    """A requested split of dW's batch contraction, as an int in [1, k_tiles]: each slice
-    needs at least one k-step of ``bk`` batch rows, so a split finer than the batch's k-steps
-    cannot be honoured and is refused rather than quietly coarsened."""
-    if isinstance(ksplit, bool) or not isinstance(ksplit, int):
-        raise TypeError(f"ksplit must be an int or None, got {type(ksplit).__name__}")
-    if not 1 <= ksplit <= k_tiles:
-        raise ValueError(
-            f"ksplit={ksplit} cannot be honoured: a batch of {batch} (padded to {k_tiles * bk}) "
-            f"has {k_tiles} k-step(s) of {bk} rows, and each split needs at least one; "
-            f"use 1 <= ksplit <= {k_tiles}, or None for the heuristic")
-    return ksplit
 
 
 def _dx_restore_geometry(gathered: bool, channels_last: bool, batch: int, cin: int, nin: int,
@@ -606,25 +534,14 @@ class BackwardLaunch:
                 f"{GRAD_IN_PLACE_COUT_MULTIPLE}; got need_input={need_input}, Cout={cout}")
         self.grad_y_in_place = grad_y_in_place
         index = device.index
-        algorithm = algorithm or default_grad_input_algorithm(cin)
-        if algorithm not in ("gather", "scatter"):
-            raise ValueError(f"algorithm must be 'gather' or 'scatter', got {algorithm!r}")
-        input_family = "grad_input" if algorithm == "gather" else "grad_input_scatter"
-        limit = _shared_memory_limit(index)
-        gi = check_config(input_family, input_config or (
-            default_grad_input_config(batch, cin, nin) if algorithm == "gather"
-            else default_grad_input_scatter_config(batch)), p64=p64, max_shared_bytes=limit)
-        gw = check_config("grad_weight",
-                          weight_config or default_grad_weight_config(batch, cout, p64), p64=p64,
-                          max_shared_bytes=limit, grad_in_place=grad_y_in_place)
-        needed = [pair for pair, wanted in (((input_family, gi), need_input),
-                                            (("grad_weight", gw), need_weight)) if wanted]
-        multiple = _batch_multiple(*needed)
-        fits = batch_padding is not None and batch_padding >= batch and (
-            batch_padding % multiple == 0)
-        self.bpad = bpad = batch_padding if fits else _round_up(batch, multiple)
-        self.gpad = gpad = _round_up(cout, math.lcm(*(
-            cfg.bn if family == "grad_weight" else cfg.bk for family, cfg in needed)))
+        self.plan = plan = plan_backward(
+            batch=batch, cin=cin, nin=nin, cout=cout, nout=nout, p64=p64,
+            device=device_limits(index), need_input=need_input, need_weight=need_weight,
+            algorithm=algorithm, input_config=input_config, weight_config=weight_config,
+            ksplit=ksplit, nodes_per_cta=nodes_per_cta, batch_padding=batch_padding,
+            grad_y_in_place=grad_y_in_place)
+        algorithm, fits = plan.algorithm, plan.reuses_padding
+        self.bpad, self.gpad = bpad, gpad = plan.bpad, plan.gpad
         self.algorithm, self.need_input, self.need_weight = algorithm, need_input, need_weight
         self.need_bias = need_bias
         self.batch, self.cin, self.nin, self.cout, self.q, self.p64 = batch, cin, nin, cout, q, p64
@@ -655,22 +572,17 @@ class BackwardLaunch:
         self.staging_dtype = (dtype if gathered and grad_dtypes[0] == dtype
                               else torch.float32)
         if gathered:
-            self.cinpad = _round_up(cin, gi.bn)
+            self.cinpad = plan.cinpad
             self.weight_at = carve.add((q // cin) * gpad * self.cinpad * item)
             self.weight_layout = _weight_by_cell(cout, cin, q // cin, gpad, self.cinpad, dtype,
                                                  dtype, index)
-            self.input_gemm = _Gemm(input_family, gi, dtype, index,
-                                    (nin, self.cinpad // gi.bn, bpad // gi.tile_m),
-                                    out_dtype=self.staging_dtype)
+            self.input_gemm = _Gemm(plan.input, dtype, index, out_dtype=self.staging_dtype)
             self.dx_at = carve.add(batch * nin * cin * self.staging_dtype.itemsize)
         elif need_input:
             self.weight_at = carve.add(q * gpad * item)
             self.weight_layout = _weight_transposed(cout, q, gpad, dtype, dtype, index)
-            grid_yz = (p64 // gi.bn, bpad // gi.tile_m)
-            self.nodes_per_cta = _nodes_per_cta(nodes_per_cta, gi, gpad // gi.bk,
-                                                grid_yz[0] * grid_yz[1], nout, index)
-            self.input_gemm = _Gemm(input_family, gi, dtype, index,
-                                    (-(-nout // self.nodes_per_cta), *grid_yz))
+            self.nodes_per_cta = plan.input.nodes_per_cta
+            self.input_gemm = _Gemm(plan.input, dtype, index)
         if need_input:
             channels_last = dx_channels_last and cin > 1  # one channel: the storages coincide
             self.dx_strides = (rows, 1, cin) if channels_last else (rows, nin, 1)
@@ -683,31 +595,22 @@ class BackwardLaunch:
         # device, and, as ForwardLaunch's key does, the path the dx kernel takes at run time:
         # the gather's 16-byte stores (Cin % 8 == 0) or element stores, the scatter walking
         # nodes or not. CudaOps verifies each on its first use.
-        input_path = (cin % 8 == 0) if gathered else need_input and self.nodes_per_cta > 1
-        self.kernel_keys = {
-            role: key for role, key, needed in (
-                ("input", (input_family, dtype, gi, device, input_path, self.staging_dtype),
-                 need_input),
-                ("weight", ("grad_weight", dtype, gw, device, torch.float32, grad_y_in_place),
-                 need_weight),
-                ("bias", ("grad_bias", dtype, None, device, grad_dtypes[2]), need_bias))
-            if needed}
+        self.kernel_keys = {}
+        if need_input:
+            path = cin % 8 == 0 if gathered else plan.input.nodes_per_cta > 1
+            self.kernel_keys["input"] = (plan.input.family, dtype, plan.input.cfg, device, path,
+                                         self.staging_dtype)
+        if need_weight:
+            self.kernel_keys["weight"] = ("grad_weight", dtype, plan.weight.cfg, device,
+                                          torch.float32, grad_y_in_place)
+        if need_bias:
+            self.kernel_keys["bias"] = ("grad_bias", dtype, None, device, grad_dtypes[2])
         self.zero_from = carve.size
         if need_input and algorithm == "scatter":
             self.dx_at = carve.add(rows * bpad * self.staging_dtype.itemsize)
         if need_weight:
-            p_tiles, k_tiles = p64 // gw.tile_m, bpad // gw.bk
-            if ksplit is None:
-                ksplit = default_grad_weight_ksplit(gw, bpad, gpad, p64, nout,
-                                                    multiprocessors=_multiprocessors(index))
-            else:
-                ksplit = checked_ksplit(ksplit, k_tiles, batch, gw.bk)
-            self.per_split = -(-k_tiles // max(1, int(ksplit)))
-            self.p_tiles = p_tiles
-            splits = -(-k_tiles // self.per_split)
-            self.weight_gemm = _Gemm("grad_weight", gw, dtype, index,
-                                     (nout, p_tiles * splits, gpad // gw.bn),
-                                     grad_in_place=grad_y_in_place)
+            self.per_split, self.p_tiles = plan.per_split, plan.p_tiles
+            self.weight_gemm = _Gemm(plan.weight, dtype, index)
             self.dw_at = carve.add(q * gpad * 4)
             self.restore_dw = _Transpose(torch.float32, grad_dtypes[1], index, (1, q, cout),
                                          (1, q, cout), (0, q))

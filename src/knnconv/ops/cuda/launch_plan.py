@@ -1,0 +1,317 @@
+"""Launch planning: every decision a kernel launch depends on, made in one place.
+
+Each direction of a call has one planner, a pure function of the layer's sizes, the batch
+and the device's limits (:class:`DeviceLimits`) that returns the whole plan: the kernel
+family, its tiles (from tiles.json through :mod:`.configs`, or the caller's), the padded
+extents, the walk of nodes per CTA, the grid and the shared memory of every gathered GEMM.
+
+==============================  ================================================================
+planner                         serves
+==============================  ================================================================
+:func:`plan_forward`            the forward from the re-laid-out x (knn_forward)
+:func:`plan_backward`           dx (reversed-graph gather or slot scatter) and dW (grad_weight)
+                                from re-laid-out operands
+:func:`plan_gather`             the channels-last gather: the forward, or dx over the reversed
+                                graph (knn_gather_cl, or on Hopper its warpgroup-MMA variant)
+:func:`plan_channels_last_dw`   dW from channels-last x and grad_y (knn_grad_weight_cl)
+==============================  ================================================================
+
+The launch classes (:mod:`.launch`, :mod:`.channels_last`) build the kernels, re-layouts and
+workspaces a plan names and run them; nothing else chooses a tile.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .configs import (
+    WALKING_MAX_THREADS,
+    KernelConfig,
+    block_threads,
+    check_config,
+    default_config,
+    default_gather_cl_choice,
+    default_grad_input_algorithm,
+    default_grad_input_config,
+    default_grad_input_scatter_config,
+    default_grad_weight_cl_config,
+    default_grad_weight_cl_ksplit,
+    default_grad_weight_config,
+    default_grad_weight_ksplit,
+    default_nodes_per_cta,
+    shared_memory_bytes,
+)
+
+MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    """What a plan needs to know of the device."""
+
+    multiprocessors: int
+    shared_memory_bytes: int  # the dynamic shared memory one block may opt in to
+    capability: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """One gathered-GEMM launch: its kernel family and tiles, grid, block and shared memory
+    (``grad_in_place``: grad_weight reading channels-last grad_y; see shared_memory_bytes)."""
+
+    family: str
+    cfg: KernelConfig
+    grid: tuple[int, int, int]
+    shared_bytes: int
+    nodes_per_cta: int = 1
+    grad_in_place: bool = False
+
+    @property
+    def block(self) -> tuple[int, int, int]:
+        return (block_threads(self.family, self.cfg), 1, 1)
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """The forward from x re-laid out as xt [Cin*Nin + 1, bpad]: each node runs ``slots``
+    slots (a multiple of the K tile); y's Cout is padded to ``cpad`` in the weight re-layout."""
+
+    gemm: GemmPlan
+    bpad: int
+    cpad: int
+    slots: int
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """dx and dW from re-laid-out operands: the dx kernel (``input``, by ``algorithm``) and
+    dW's (``weight``), each None when its gradient is not needed; the padded batch (``bpad``,
+    ``reuses_padding`` when it is the forward's kept one), Cout padded to ``gpad``, Cin to
+    ``cinpad`` (gathered dx), dW's batch steps ``per_split`` a slice over ``p_tiles`` slot
+    tiles."""
+
+    algorithm: str
+    input: GemmPlan | None
+    weight: GemmPlan | None
+    bpad: int
+    gpad: int
+    reuses_padding: bool
+    cinpad: int | None = None
+    per_split: int | None = None
+    p_tiles: int | None = None
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """A channels-last gather producing ``n`` channels padded to ``npad``."""
+
+    gemm: GemmPlan
+    npad: int
+
+
+@dataclass(frozen=True)
+class ChannelsLastWeightPlan:
+    """dW by cell into an fp32 accumulator [V, Cin, wpad], the batch in slices of
+    ``per_split`` steps."""
+
+    gemm: GemmPlan
+    wpad: int
+    per_split: int
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def walk_of_nodes(requested: int | None, cfg: KernelConfig, k_tiles: int, ctas_per_node: int,
+                  nodes: int, device: DeviceLimits) -> int:
+    """Nodes per CTA: the requested walk, checked, or the default one."""
+    if requested is None:
+        return default_nodes_per_cta(cfg, k_tiles, ctas_per_node, nodes, device.multiprocessors)
+    if requested < 1 or (requested > 1 and cfg.threads > WALKING_MAX_THREADS):
+        raise ValueError(f"nodes_per_cta must be >= 1, and 1 for tiles of more than "
+                         f"{WALKING_MAX_THREADS} threads; got {requested} for {tuple(cfg)}")
+    return requested
+
+
+def checked_ksplit(ksplit, k_tiles: int, batch: int, bk: int) -> int:
+    """A requested split of dW's batch contraction, as an int in [1, k_tiles]: each slice
+    needs at least one k-step of ``bk`` batch rows, so a split finer than the batch's k-steps
+    cannot be honoured and is refused rather than quietly coarsened."""
+    if isinstance(ksplit, bool) or not isinstance(ksplit, int):
+        raise TypeError(f"ksplit must be an int or None, got {type(ksplit).__name__}")
+    if not 1 <= ksplit <= k_tiles:
+        raise ValueError(
+            f"ksplit={ksplit} cannot be honoured: a batch of {batch} (padded to {k_tiles * bk}) "
+            f"has {k_tiles} k-step(s) of {bk} rows, and each split needs at least one; "
+            f"use 1 <= ksplit <= {k_tiles}, or None for the heuristic")
+    return ksplit
+
+
+def _batch_multiple(*configs: tuple[str, KernelConfig]) -> int:
+    """What the padded batch must be a multiple of: every given (family, config)'s batch tile."""
+    return math.lcm(*(cfg.bk if family == "grad_weight" else cfg.tile_m
+                      for family, cfg in configs))
+
+
+def padded_batch(batch: int, *configs: tuple[str, KernelConfig]) -> int:
+    """The batch padded so every given (family, config)'s batch tile divides it."""
+    return round_up(batch, _batch_multiple(*configs))
+
+
+def _default_backward_tiles(batch: int, cin: int, nin: int, cout: int, p64: int):
+    """The (family, config) pairs a default backward of this call would run."""
+    if default_grad_input_algorithm(cin) == "scatter":
+        grad_input_tiles = ("grad_input_scatter", default_grad_input_scatter_config(batch))
+    else:
+        grad_input_tiles = ("grad_input", default_grad_input_config(batch, cin, nin))
+    return grad_input_tiles, ("grad_weight", default_grad_weight_config(batch, cout, p64))
+
+
+def forward_batch_padding(batch: int, cin: int, nin: int, cout: int, nout: int, p64: int,
+                          cfg: KernelConfig | None = None) -> int:
+    """The padded batch of a forward's xt (of its tile ``cfg``, default: the default tile): its
+    own tile and the default backward's, so the backward can reuse xt."""
+    cfg = cfg or default_config(batch, cout, p64, nout=nout)
+    return padded_batch(batch, ("forward", cfg),
+                        *_default_backward_tiles(batch, cin, nin, cout, p64))
+
+
+def plan_forward(*, batch: int, cin: int, nin: int, cout: int, nout: int, p64: int,
+                 device: DeviceLimits, config: KernelConfig | None = None,
+                 nodes_per_cta: int | None = None, slots: int | None = None) -> ForwardPlan:
+    """knn_forward's plan. The CTA's slot tables are staged in shared memory, so a default
+    walk of nodes is shortened where its tables would not fit (a requested one is refused)."""
+    limit = device.shared_memory_bytes
+    cfg = check_config("forward", config or default_config(batch, cout, p64, nout=nout),
+                       p64=p64, max_shared_bytes=limit)
+    if slots is not None and not 1 <= slots <= p64:
+        raise ValueError(f"slots must be in [1, P64 = {p64}], got {slots}")
+    slots = round_up(slots or p64, cfg.bk)
+    bpad = forward_batch_padding(batch, cin, nin, cout, nout, p64, cfg)
+    cpad = round_up(cout, cfg.bn)
+    grid_yz = (cpad // cfg.bn, bpad // cfg.tile_m)
+    walk = walk_of_nodes(nodes_per_cta, cfg, slots // cfg.bk, grid_yz[0] * grid_yz[1], nout,
+                         device)
+    while shared_memory_bytes("forward", cfg, staged_slots=walk * slots) > limit:
+        if walk == 1 or nodes_per_cta is not None:
+            raise ValueError(
+                f"the forward's slot tables ({walk} node(s) of {slots} slots) and tiles "
+                f"{tuple(cfg)} need more than the device's {limit} B of shared memory; use "
+                "smaller tiles or fewer nodes per CTA")
+        walk //= 2
+    # the batch tiles of a node group are consecutive CTAs along x (see knn_forward)
+    gemm = GemmPlan("forward", cfg, (-(-nout // walk) * grid_yz[1], grid_yz[0], 1),
+                    shared_memory_bytes("forward", cfg, staged_slots=walk * slots), walk)
+    return ForwardPlan(gemm, bpad, cpad, slots)
+
+
+def plan_backward(*, batch: int, cin: int, nin: int, cout: int, nout: int, p64: int,
+                  device: DeviceLimits, need_input: bool = True, need_weight: bool = True,
+                  algorithm: str | None = None, input_config: KernelConfig | None = None,
+                  weight_config: KernelConfig | None = None, ksplit: int | None = None,
+                  nodes_per_cta: int | None = None, batch_padding: int | None = None,
+                  grad_y_in_place: bool = False) -> BackwardPlan:
+    """The re-laying-out backward's plan. ``batch_padding``: the padded batch to use where
+    the tiles allow it (that of a forward's kept re-layout of x, so the backward reuses it),
+    else the smallest; ``grad_y_in_place``: dW reads channels-last grad_y itself."""
+    algorithm = algorithm or default_grad_input_algorithm(cin)
+    if algorithm not in ("gather", "scatter"):
+        raise ValueError(f"algorithm must be 'gather' or 'scatter', got {algorithm!r}")
+    input_family = "grad_input" if algorithm == "gather" else "grad_input_scatter"
+    limit = device.shared_memory_bytes
+    gi = check_config(input_family, input_config or (
+        default_grad_input_config(batch, cin, nin) if algorithm == "gather"
+        else default_grad_input_scatter_config(batch)), p64=p64, max_shared_bytes=limit)
+    gw = check_config("grad_weight", weight_config or default_grad_weight_config(batch, cout, p64),
+                      p64=p64, max_shared_bytes=limit, grad_in_place=grad_y_in_place)
+    needed = [pair for pair, wanted in (((input_family, gi), need_input),
+                                        (("grad_weight", gw), need_weight)) if wanted]
+    multiple = _batch_multiple(*needed)
+    reuses = batch_padding is not None and batch_padding >= batch and (
+        batch_padding % multiple == 0)
+    bpad = batch_padding if reuses else round_up(batch, multiple)
+    gpad = round_up(cout, math.lcm(*(cfg.bn if family == "grad_weight" else cfg.bk
+                                     for family, cfg in needed)))
+    input_plan = weight_plan = cinpad = per_split = p_tiles = None
+    if need_input and algorithm == "gather":
+        cinpad = round_up(cin, gi.bn)
+        input_plan = GemmPlan(input_family, gi, (nin, cinpad // gi.bn, bpad // gi.tile_m),
+                              shared_memory_bytes(input_family, gi))
+    elif need_input:
+        grid_yz = (p64 // gi.bn, bpad // gi.tile_m)
+        walk = walk_of_nodes(nodes_per_cta, gi, gpad // gi.bk, grid_yz[0] * grid_yz[1], nout,
+                             device)
+        input_plan = GemmPlan(input_family, gi, (-(-nout // walk), *grid_yz),
+                              shared_memory_bytes(input_family, gi), walk)
+    if need_weight:
+        p_tiles, k_tiles = p64 // gw.tile_m, bpad // gw.bk
+        if ksplit is None:
+            ksplit = default_grad_weight_ksplit(gw, bpad, gpad, p64, nout,
+                                                multiprocessors=device.multiprocessors)
+        else:
+            ksplit = checked_ksplit(ksplit, k_tiles, batch, gw.bk)
+        per_split = -(-k_tiles // max(1, int(ksplit)))
+        splits = -(-k_tiles // per_split)
+        weight_plan = GemmPlan("grad_weight", gw, (nout, p_tiles * splits, gpad // gw.bn),
+                               shared_memory_bytes("grad_weight", gw,
+                                                   grad_in_place=grad_y_in_place),
+                               grad_in_place=grad_y_in_place)
+    return BackwardPlan(algorithm, input_plan, weight_plan, bpad, gpad, reuses, cinpad,
+                        per_split, p_tiles)
+
+
+def _batch_tiles(batch: int, cfg: KernelConfig) -> int:
+    """A channels-last kernel's CTAs along the batch (its grid's z extent)."""
+    tiles = -(-batch // cfg.tile_m)
+    if tiles > MAX_GRID_YZ:
+        raise ValueError(f"a batch of {batch} exceeds CUDA's grid limit for tiles of "
+                         f"{cfg.tile_m} rows; split the batch")
+    return tiles
+
+
+def plan_gather(*, batch: int, n: int, width: int, nodes: int, entries: int,
+                device: DeviceLimits, warpgroup_mma: bool, family: str | None = None,
+                config: KernelConfig | None = None,
+                nodes_per_cta: int | None = None) -> GatherPlan:
+    """The channels-last gather producing ``n`` channels from entries of ``width`` channels
+    on ``nodes`` nodes with ``entries`` entries in all (forward: Cout from Cin over the output
+    nodes' neighbours; dx: Cin from Cout over the input nodes' (output node, cell) pairs).
+    ``config`` (of ``family``, gather_cl by default) or the device's default
+    (default_gather_cl_choice, with knnconv.context's ``warpgroup_mma``)."""
+    if config is None:
+        family, config = default_gather_cl_choice(batch, n, width, nodes, device.capability,
+                                                  warpgroup_mma=warpgroup_mma)
+    family = family or "gather_cl"
+    cfg = check_config(family, config, width=width, max_shared_bytes=device.shared_memory_bytes)
+    npad = round_up(n, cfg.bn)
+    grid_yz = (npad // cfg.bn, _batch_tiles(batch, cfg))
+    mean_tiles = max(1, entries // max(1, nodes)) * (width // cfg.bk)
+    walk = walk_of_nodes(nodes_per_cta, cfg, mean_tiles, grid_yz[0] * grid_yz[1], nodes, device)
+    return GatherPlan(GemmPlan(family, cfg, (-(-nodes // walk), *grid_yz),
+                               shared_memory_bytes(family, cfg), walk), npad)
+
+
+def plan_channels_last_dw(*, batch: int, cin: int, cout: int, entries: int,
+                          device: DeviceLimits, config: KernelConfig | None = None,
+                          ksplit: int | None = None) -> ChannelsLastWeightPlan:
+    """knn_grad_weight_cl's plan: a channel tile that divides Cin, Cout tiled by bn, the batch
+    split in slices (enough for about two CTAs an SM by default)."""
+    gw = check_config("grad_weight_cl", config or default_grad_weight_cl_config(batch, cout, cin),
+                      width=cin, max_shared_bytes=device.shared_memory_bytes)
+    wpad = round_up(cout, gw.bn)
+    ctas = entries * (cin // gw.tile_m) * (wpad // gw.bn)
+    k_steps = -(-batch // gw.bk)
+    if ksplit is None:
+        ksplit = default_grad_weight_cl_ksplit(gw, batch, ctas, device.multiprocessors)
+    else:
+        ksplit = checked_ksplit(ksplit, k_steps, batch, gw.bk)
+    per_split = -(-k_steps // ksplit)
+    splits = -(-k_steps // per_split)
+    if splits > MAX_GRID_YZ:
+        raise ValueError(f"{splits} batch slices exceed CUDA's grid limit")
+    grid = (max(1, entries * (cin // gw.tile_m)), wpad // gw.bn, splits)
+    return ChannelsLastWeightPlan(
+        GemmPlan("grad_weight_cl", gw, grid, shared_memory_bytes("grad_weight_cl", gw)), wpad,
+        per_split)

@@ -1,0 +1,94 @@
+"""The launch planners (knnconv.ops.cuda.launch_plan): pure functions of sizes and device
+limits, so every decision is checked here without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from knnconv.ops.cuda.configs import KernelConfig, shared_memory_bytes
+from knnconv.ops.cuda.launch_plan import (
+    MAX_GRID_YZ,
+    DeviceLimits,
+    forward_batch_padding,
+    plan_backward,
+    plan_channels_last_dw,
+    plan_forward,
+    plan_gather,
+)
+
+H200 = DeviceLimits(multiprocessors=132, shared_memory_bytes=227 * 1024, capability=(9, 0))
+A100 = DeviceLimits(multiprocessors=108, shared_memory_bytes=163 * 1024, capability=(8, 0))
+FORWARD = dict(batch=512, cin=3, nin=4085, cout=64, nout=964, p64=192)
+
+
+def test_a_forward_plan_is_whole_and_consistent():
+    plan = plan_forward(**FORWARD, device=H200, slots=147)
+    gemm, cfg = plan.gemm, plan.gemm.cfg
+    assert plan.slots % cfg.bk == 0 and 147 <= plan.slots <= FORWARD["p64"]
+    assert plan.bpad == forward_batch_padding(512, 3, 4085, 64, 964, 192, cfg)
+    assert plan.cpad % cfg.bn == 0 and plan.cpad >= 64
+    # batch tiles of a node group along x, Cout tiles along y
+    walk = gemm.nodes_per_cta
+    assert gemm.grid == (-(-964 // walk) * (plan.bpad // cfg.tile_m), plan.cpad // cfg.bn, 1)
+    assert gemm.shared_bytes == shared_memory_bytes("forward", cfg,
+                                                    staged_slots=walk * plan.slots)
+    assert gemm.block == (cfg.threads, 1, 1)
+
+
+def test_a_default_walk_is_shortened_to_fit_its_slot_tables_and_a_requested_one_refused():
+    # two k-tiles a node: the default walk is long, and every node's tables are staged
+    cfg = KernelConfig(32, 64, 32, 1, 2, 2, 3, True, 8)
+    sizes = dict(FORWARD, p64=64)
+    small = DeviceLimits(132, shared_memory_bytes("forward", cfg, staged_slots=2 * 64), (9, 0))
+    roomy = plan_forward(**sizes, device=H200, config=cfg)
+    tight = plan_forward(**sizes, device=small, config=cfg)
+    assert roomy.gemm.nodes_per_cta > 2 and tight.gemm.nodes_per_cta == 2
+    assert tight.gemm.shared_bytes == small.shared_memory_bytes
+    with pytest.raises(ValueError, match="shared memory"):
+        plan_forward(**sizes, device=small, config=cfg, nodes_per_cta=roomy.gemm.nodes_per_cta)
+
+
+def test_a_backward_reuses_a_forward_padding_only_where_its_tiles_divide_it():
+    sizes = dict(batch=17, cin=64, nin=230, cout=64, nout=230, p64=576, device=H200)
+    fresh = plan_backward(**sizes)
+    kept = plan_backward(**sizes, batch_padding=fresh.bpad)
+    assert kept.reuses_padding and kept.bpad == fresh.bpad
+    odd = plan_backward(**sizes, batch_padding=fresh.bpad + 1)
+    assert not odd.reuses_padding and odd.bpad == fresh.bpad
+    assert fresh.algorithm == "gather" and fresh.input.grid[0] == 230  # one CTA row a node
+    assert fresh.weight.grid[0] == 230 and fresh.per_split >= 1
+    image = plan_backward(**dict(sizes, cin=3, p64=64), need_input=False,
+                          grad_y_in_place=True)
+    assert image.input is None and image.weight.grad_in_place
+    assert image.weight.shared_bytes == shared_memory_bytes("grad_weight", image.weight.cfg,
+                                                            grad_in_place=True)
+
+
+@pytest.mark.parametrize("device, setting, family", [
+    (H200, True, "gather_cl_wgmma"), (H200, False, "gather_cl"), (A100, True, "gather_cl")])
+def test_the_gather_plan_takes_warpgroup_mma_on_hopper_when_asked(device, setting, family):
+    plan = plan_gather(batch=512, n=128, width=128, nodes=60, entries=479, device=device,
+                       warpgroup_mma=setting)
+    gemm = plan.gemm
+    assert gemm.family == family and plan.npad == 128
+    assert gemm.grid == (-(-60 // gemm.nodes_per_cta), 128 // gemm.cfg.bn,
+                         -(-512 // gemm.cfg.tile_m))
+    staging = 128 if family == "gather_cl_wgmma" else 0  # the staging warpgroup
+    assert gemm.block == (gemm.cfg.threads + staging, 1, 1)
+
+
+def test_a_gather_batch_past_the_grid_limit_is_refused():
+    with pytest.raises(ValueError, match="split the batch"):
+        plan_gather(batch=64 * (MAX_GRID_YZ + 1), n=64, width=64, nodes=4, entries=36,
+                    device=H200, warpgroup_mma=False,
+                    config=KernelConfig(64, 64, 32, 1, 2, 2, 3, True, 8))
+
+
+def test_the_channels_last_dw_plan_splits_the_batch_and_refuses_an_impossible_split():
+    plan = plan_channels_last_dw(batch=2048, cin=256, cout=512, entries=13, device=H200)
+    gemm = plan.gemm
+    steps = -(-2048 // gemm.cfg.bk)
+    assert gemm.grid == (13 * (256 // gemm.cfg.tile_m), plan.wpad // gemm.cfg.bn,
+                         -(-steps // plan.per_split))
+    with pytest.raises(ValueError, match="cannot be honoured"):
+        plan_channels_last_dw(batch=32, cin=64, cout=64, entries=9, device=H200, ksplit=100)
