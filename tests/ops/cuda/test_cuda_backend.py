@@ -754,7 +754,7 @@ def test_an_image_layers_weight_gradient_reads_channels_last_grad_y_in_place(dty
                             q=plan.q, p64=plan.p64, dtype=dtype, device=device,
                             need_input=False, need_bias=True, ksplit=min(ksplit, 1 + batch // 64),
                             grad_y_in_place=True)
-    assert launch.gt_at is None  # no re-layout of grad_y
+    assert launch.workspace.gt is None  # no re-layout of grad_y
     _, dw, db = launch.run(grad_slice, x, None, tables.input_linear, tables.weight_linear, None,
                            poison=True)
     assert rel_err(dw, dw_ref) < GRAD_TOLERANCE  # NaN (an unwritten entry) fails

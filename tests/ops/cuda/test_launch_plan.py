@@ -11,6 +11,7 @@ from knnconv.ops.cuda.launch_plan import (
     DeviceLimits,
     forward_batch_padding,
     plan_backward,
+    plan_channels_last_backward,
     plan_channels_last_dw,
     plan_forward,
     plan_gather,
@@ -49,7 +50,8 @@ def test_a_default_walk_is_shortened_to_fit_its_slot_tables_and_a_requested_one_
 
 
 def test_a_backward_reuses_a_forward_padding_only_where_its_tiles_divide_it():
-    sizes = dict(batch=17, cin=64, nin=230, cout=64, nout=230, p64=576, device=H200)
+    sizes = dict(batch=17, cin=64, nin=230, cout=64, nout=230, q=576, p64=576, element_bytes=2,
+                 device=H200)
     fresh = plan_backward(**sizes)
     kept = plan_backward(**sizes, batch_padding=fresh.bpad)
     assert kept.reuses_padding and kept.bpad == fresh.bpad
@@ -57,9 +59,12 @@ def test_a_backward_reuses_a_forward_padding_only_where_its_tiles_divide_it():
     assert not odd.reuses_padding and odd.bpad == fresh.bpad
     assert fresh.algorithm == "gather" and fresh.input.grid[0] == 230  # one CTA row a node
     assert fresh.weight.grid[0] == 230 and fresh.per_split >= 1
-    image = plan_backward(**dict(sizes, cin=3, p64=64), need_input=False,
+    # x's re-layout is carved only where the forward's is not reused
+    assert fresh.workspace.xt is not None and kept.workspace.xt is None
+    assert fresh.workspace.size - kept.workspace.size >= (64 * 230 + 1) * fresh.bpad * 2
+    image = plan_backward(**dict(sizes, cin=3, q=27, p64=64), need_input=False,
                           grad_y_in_place=True)
-    assert image.input is None and image.weight.grad_in_place
+    assert image.input is None and image.weight.grad_in_place and image.workspace.gt is None
     assert image.weight.shared_bytes == shared_memory_bytes("grad_weight", image.weight.cfg,
                                                             grad_in_place=True)
 
@@ -92,3 +97,38 @@ def test_the_channels_last_dw_plan_splits_the_batch_and_refuses_an_impossible_sp
                          -(-steps // plan.per_split))
     with pytest.raises(ValueError, match="cannot be honoured"):
         plan_channels_last_dw(batch=32, cin=64, cout=64, entries=9, device=H200, ksplit=100)
+
+
+@pytest.mark.parametrize("algorithm, in_compute_dtype, staged_bytes", [
+    ("gather", True, 2), ("gather", False, 4), ("scatter", True, 4)])
+def test_a_backward_workspace_zeroes_exactly_its_accumulators(algorithm, in_compute_dtype,
+                                                              staged_bytes):
+    cin = 40 if algorithm == "gather" else 3
+    plan = plan_backward(batch=17, cin=cin, nin=70, cout=65, nout=31, q=cin * 9,
+                         p64=-(-cin * 9 // 64) * 64, element_bytes=2, device=H200,
+                         need_bias=True, algorithm=algorithm,
+                         dx_in_compute_dtype=in_compute_dtype)
+    at = plan.workspace
+    written = [at.gt, at.xt, at.weight] + ([at.dx] if algorithm == "gather" else [])
+    summed = [at.dw, at.db] + ([at.dx] if algorithm == "scatter" else [])
+    assert max(written) < at.zero_from <= min(summed) and at.zero_bytes > 0
+    assert all(offset % 256 == 0 for offset in written + summed)
+    assert plan.dx_staged_in_compute_dtype == (staged_bytes == 2)
+    dx_bytes = 17 * 70 * cin * staged_bytes if algorithm == "gather" else (
+        cin * 70 * plan.bpad * staged_bytes)
+    following = sorted(o for o in written + summed + [at.size] if o > at.dx)[0]
+    assert following - at.dx >= dx_bytes
+
+
+def test_a_channels_last_backward_workspace_holds_the_weight_by_cell_and_the_accumulator():
+    plan = plan_channels_last_backward(batch=129, cin=64, nin=230, cout=128, v=9,
+                                       entries=1992, element_bytes=2, device=H200,
+                                       warpgroup_mma=False)
+    at = plan.workspace
+    assert at.weight == 0 and at.zero_from <= at.dw
+    assert at.zero_bytes >= 9 * 64 * plan.weight.wpad * 4
+    alone = plan_channels_last_backward(batch=129, cin=64, nin=230, cout=128, v=9,
+                                        entries=1992, element_bytes=2, device=H200,
+                                        warpgroup_mma=False, need_input=False)
+    assert alone.input is None and alone.workspace.weight is None
+    assert alone.workspace.zero_from == 0

@@ -36,19 +36,19 @@ def test_the_workspace_holds_x_relayout_unless_a_forward_kept_one(plans, algorit
     cin = 40 if algorithm == "gather" else 3
     fresh = plans(algorithm, cin, torch.float16)
     # before the zeroed accumulators: poisoned on first use, then written whole
-    assert fresh.xt_at is not None and fresh.xt_at < fresh.zero_from
+    assert fresh.workspace.xt is not None and fresh.workspace.xt < fresh.workspace.zero_from
     kept = plans(algorithm, cin, torch.float16, batch_padding=fresh.bpad)
-    assert kept.xt_at is None
-    assert fresh.workspace_bytes - kept.workspace_bytes >= (cin * 70 + 1) * fresh.bpad * 2
-    assert plans(algorithm, cin, torch.float16, need_weight=False).workspace_bytes < (
-        kept.workspace_bytes)
+    assert kept.workspace.xt is None
+    assert fresh.workspace.size - kept.workspace.size >= (cin * 70 + 1) * fresh.bpad * 2
+    assert plans(algorithm, cin, torch.float16, need_weight=False).workspace.size < (
+        kept.workspace.size)
 
 
 def test_a_gathered_dx_is_staged_in_its_own_dtype_when_that_is_the_compute_dtype(plans):
     own, wide = plans("gather", 40, torch.float16), plans("gather", 40, torch.float32)
     assert own.staging_dtype == torch.float16 and wide.staging_dtype == torch.float32
     # the workspace shrinks by exactly the bytes the narrower staging saves (up to alignment)
-    saved = wide.workspace_bytes - own.workspace_bytes
+    saved = wide.workspace.size - own.workspace.size
     assert 17 * 70 * 40 * 2 <= saved < 17 * 70 * 40 * 2 + 2 * 256
     assert own.kernel_keys["input"][-1] == torch.float16
     assert wide.kernel_keys["input"][-1] == torch.float32
@@ -238,8 +238,8 @@ def test_an_image_layers_weight_gradient_plan_reads_grad_y_in_place(plans):
                  device=torch.device("cuda", 0), need_input=False, need_bias=True)
     in_place = launch.BackwardLaunch(**sizes, grad_y_in_place=True)
     relaid = launch.BackwardLaunch(**sizes)
-    assert in_place.gt_at is None and relaid.gt_at is not None
-    assert relaid.workspace_bytes - in_place.workspace_bytes >= 31 * 64 * 17 * 2
+    assert in_place.workspace.gt is None and relaid.workspace.gt is not None
+    assert relaid.workspace.size - in_place.workspace.size >= 31 * 64 * 17 * 2
     assert in_place.kernel_keys["weight"][-1] is True
     assert relaid.kernel_keys["weight"][-1] is False
     with pytest.raises(ValueError, match="dW and the bias gradient alone"):

@@ -24,7 +24,6 @@ from ... import context
 from .configs import KernelConfig, channels_last_width_multiple
 from .launch import (
     ReverseTables,
-    _Carve,
     _Gemm,
     _pointer,
     _Transpose,
@@ -36,7 +35,7 @@ from .launch import (
     poisoned_or_empty_output,
     readable,
 )
-from .launch_plan import plan_channels_last_dw, plan_gather
+from .launch_plan import plan_channels_last_backward, plan_gather
 
 
 @dataclass
@@ -154,41 +153,35 @@ class ChannelsLastBackward:
                  nodes_per_cta: int | None = None) -> None:
         device = _indexed(device)
         index = device.index
-        limits = device_limits(index)
+        self.plan = plan = plan_channels_last_backward(
+            batch=batch, cin=cin, nin=nin, cout=cout, v=v, entries=entries,
+            element_bytes=dtype.itemsize, device=device_limits(index),
+            warpgroup_mma=context.settings().warpgroup_mma, need_input=need_input,
+            need_weight=need_weight, input_family=input_family, input_config=input_config,
+            weight_config=weight_config, ksplit=ksplit, nodes_per_cta=nodes_per_cta)
+        self.workspace = plan.workspace
         self.batch, self.cin, self.nin, self.cout, self.nout, self.v = (batch, cin, nin, cout,
                                                                         nout, v)
         self.dtype, self.grad_dtypes, self.device = dtype, grad_dtypes, device
         self.need_input, self.need_weight, self.need_bias = need_input, need_weight, need_bias
         self.kernel_keys: dict[str, tuple] = {}
-        carve = _Carve()
         if need_input:
-            self.input_plan = plan = plan_gather(
-                batch=batch, n=cin, width=cout, nodes=nin, entries=entries, device=limits,
-                warpgroup_mma=context.settings().warpgroup_mma, family=input_family,
-                config=input_config, nodes_per_cta=nodes_per_cta)
-            self.cinpad, self.nodes_per_cta = plan.npad, plan.gemm.nodes_per_cta
-            self.weight_at = carve.add(v * cout * self.cinpad * dtype.itemsize)
+            gather = plan.input.gemm
+            self.cinpad, self.nodes_per_cta = plan.input.npad, gather.nodes_per_cta
             self.weight_layout = _weight_by_cell(cout, cin, v, cout, self.cinpad, dtype, dtype,
                                                  index)
-            self.input_gemm = _Gemm(plan.gemm, dtype, index, out_dtype=grad_dtypes[0])
-            self.kernel_keys["input"] = (plan.gemm.family, dtype, plan.gemm.cfg, device,
+            self.input_gemm = _Gemm(gather, dtype, index, out_dtype=grad_dtypes[0])
+            self.kernel_keys["input"] = (gather.family, dtype, gather.cfg, device,
                                          self.nodes_per_cta > 1, cin % 2 == 0, grad_dtypes[0])
-        self.zero_from = carve.size
         if need_weight:
-            self.weight_plan = plan = plan_channels_last_dw(
-                batch=batch, cin=cin, cout=cout, entries=entries, device=limits,
-                config=weight_config, ksplit=ksplit)
-            self.wpad, self.per_split = plan.wpad, plan.per_split
-            self.weight_gemm = _Gemm(plan.gemm, dtype, index)
+            self.wpad, self.per_split = plan.weight.wpad, plan.weight.per_split
+            self.weight_gemm = _Gemm(plan.weight.gemm, dtype, index)
             self.has_entries = entries > 0
-            self.dw_at = carve.add(v * cin * self.wpad * 4)
             # dw[o, c*V + v] = acc[v, c, o]: z = c, a = v (dw's fastest), c = o
             self.restore_dw = _Transpose(torch.float32, grad_dtypes[1], index, (cin, v, cout),
                                          (cin, v, cout), (v, cin * v))
-            self.kernel_keys["weight"] = ("grad_weight_cl", dtype, plan.gemm.cfg, device,
+            self.kernel_keys["weight"] = ("grad_weight_cl", dtype, plan.weight.gemm.cfg, device,
                                           torch.float32)
-        self.zero_bytes = carve.size - self.zero_from
-        self.workspace_bytes = carve.size
 
     def run(self, grad_y: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor | None,
             entries: EntryTables | None, reverse: ReverseTables | None, *,
@@ -201,15 +194,16 @@ class ChannelsLastBackward:
         batch, cin, nin, cout, v = self.batch, self.cin, self.nin, self.cout, self.v
         new = (lambda *a, **k: torch.full(*a, math.nan, **k)) if poison else torch.empty
         grad_y = _in_readable_storage(grad_y)
-        workspace = torch.empty(max(1, self.workspace_bytes), dtype=torch.uint8, device=device)
+        at = self.workspace
+        workspace = torch.empty(max(1, at.size), dtype=torch.uint8, device=device)
         base = workspace.data_ptr()
-        if self.zero_bytes:
-            _zero(base + self.zero_from, self.zero_bytes, index)
+        if at.zero_bytes:
+            _zero(base + at.zero_from, at.zero_bytes, index)
         dx = dw = db = None
         if self.need_input:
             if weight.dtype != self.dtype:
                 weight = weight.to(self.dtype)
-            cells = base + self.weight_at
+            cells = base + at.weight
             s_out, s_in = weight.stride()
             self.weight_layout(weight, cells, (s_out, v * s_in, s_in))
             dx = new((batch, nin, cin), dtype=self.grad_dtypes[0], device=device).transpose(1, 2)
@@ -218,7 +212,7 @@ class ChannelsLastBackward:
                             reverse.pair_cell.data_ptr(), 0, 0, dx.data_ptr(), batch, cin, nin,
                             self.nodes_per_cta)
         if self.need_weight:
-            accumulator = base + self.dw_at
+            accumulator = base + at.dw
             if self.has_entries:
                 self.weight_gemm(x.data_ptr(), x.stride(0), cin, grad_y.data_ptr(),
                                  grad_y.stride(0), cout, entries.node.data_ptr(),

@@ -243,19 +243,6 @@ def _weight_by_cell(cout: int, cin: int, v: int, gpad: int, cinpad: int, src_dty
                       (cinpad, gpad * cinpad))
 
 
-class _Carve:
-    """Byte offsets of several buffers inside one allocation, each 256-byte aligned, so a
-    call allocates once instead of once per temporary."""
-
-    def __init__(self) -> None:
-        self.size = 0
-
-    def add(self, nbytes: int) -> int:
-        offset = self.size
-        self.size = round_up(offset + nbytes, 256)
-        return offset
-
-
 class _Gemm:
     """One gathered-GEMM launch of a plan, its kernel built for the compute ``dtype`` (and the
     ``out_dtype`` it stores, where the family takes one)."""
@@ -535,26 +522,22 @@ class BackwardLaunch:
         self.grad_y_in_place = grad_y_in_place
         index = device.index
         self.plan = plan = plan_backward(
-            batch=batch, cin=cin, nin=nin, cout=cout, nout=nout, p64=p64,
-            device=device_limits(index), need_input=need_input, need_weight=need_weight,
-            algorithm=algorithm, input_config=input_config, weight_config=weight_config,
-            ksplit=ksplit, nodes_per_cta=nodes_per_cta, batch_padding=batch_padding,
+            batch=batch, cin=cin, nin=nin, cout=cout, nout=nout, q=q, p64=p64,
+            element_bytes=dtype.itemsize, device=device_limits(index), need_input=need_input,
+            need_weight=need_weight, need_bias=need_bias,
+            dx_in_compute_dtype=grad_dtypes[0] == dtype, algorithm=algorithm,
+            input_config=input_config, weight_config=weight_config, ksplit=ksplit,
+            nodes_per_cta=nodes_per_cta, batch_padding=batch_padding,
             grad_y_in_place=grad_y_in_place)
-        algorithm, fits = plan.algorithm, plan.reuses_padding
+        self.workspace = plan.workspace
         self.bpad, self.gpad = bpad, gpad = plan.bpad, plan.gpad
-        self.algorithm, self.need_input, self.need_weight = algorithm, need_input, need_weight
+        self.algorithm, self.need_input, self.need_weight = plan.algorithm, need_input, need_weight
         self.need_bias = need_bias
         self.batch, self.cin, self.nin, self.cout, self.q, self.p64 = batch, cin, nin, cout, q, p64
         self.dtype, self.grad_dtypes, self.device = dtype, grad_dtypes, device
-        item = dtype.itemsize
         rows = cin * nin
-        # Workspace: [gt | x re-layout | weight re-layout | dx staging (gather) | zeroed: dxt,
-        # dwt, dbias]
-        carve = _Carve()
-        self.gt_at = None if grad_y_in_place else carve.add(nout * gpad * bpad * item)
-        if need_weight:  # where a forward's kept re-layout fits the tiles it is reused
+        if need_weight:  # x's re-layout, unless a forward's kept one is reused
             self.input_layout = _InputLayout(batch, cin, nin, bpad, dtype, dtype, index)
-            self.xt_at = None if fits else carve.add((rows + 1) * bpad * item)
         self.to_gt = _Transpose(dtype, dtype, index, (cout, batch, nout), (gpad, bpad, nout),
                                 (bpad, gpad * bpad), sums_z=need_bias)
         # grad_y in channels-last storage (as y is returned) is transposed node by node, read
@@ -564,22 +547,14 @@ class BackwardLaunch:
         self.to_gt_by_node = (_Transpose(dtype, dtype, index, (nout, batch, cout),
                                          (nout, bpad, gpad), (gpad * bpad, bpad))
                               if nout <= MAX_GRID_YZ and cout > 1 else None)
-        # dx is staged before its layout is restored: in float32 where atomics sum it
-        # (scatter), in dx's own dtype where that is the compute dtype and the gather writes
-        # each element once from fp32 accumulators (rounding as a later conversion would, in
-        # half the bytes).
-        gathered = need_input and algorithm == "gather"
-        self.staging_dtype = (dtype if gathered and grad_dtypes[0] == dtype
-                              else torch.float32)
+        gathered = need_input and plan.algorithm == "gather"
+        self.staging_dtype = dtype if plan.dx_staged_in_compute_dtype else torch.float32
         if gathered:
             self.cinpad = plan.cinpad
-            self.weight_at = carve.add((q // cin) * gpad * self.cinpad * item)
             self.weight_layout = _weight_by_cell(cout, cin, q // cin, gpad, self.cinpad, dtype,
                                                  dtype, index)
             self.input_gemm = _Gemm(plan.input, dtype, index, out_dtype=self.staging_dtype)
-            self.dx_at = carve.add(batch * nin * cin * self.staging_dtype.itemsize)
         elif need_input:
-            self.weight_at = carve.add(q * gpad * item)
             self.weight_layout = _weight_transposed(cout, q, gpad, dtype, dtype, index)
             self.nodes_per_cta = plan.input.nodes_per_cta
             self.input_gemm = _Gemm(plan.input, dtype, index)
@@ -603,23 +578,14 @@ class BackwardLaunch:
         if need_weight:
             self.kernel_keys["weight"] = ("grad_weight", dtype, plan.weight.cfg, device,
                                           torch.float32, grad_y_in_place)
-        if need_bias:
-            self.kernel_keys["bias"] = ("grad_bias", dtype, None, device, grad_dtypes[2])
-        self.zero_from = carve.size
-        if need_input and algorithm == "scatter":
-            self.dx_at = carve.add(rows * bpad * self.staging_dtype.itemsize)
-        if need_weight:
             self.per_split, self.p_tiles = plan.per_split, plan.p_tiles
             self.weight_gemm = _Gemm(plan.weight, dtype, index)
-            self.dw_at = carve.add(q * gpad * 4)
             self.restore_dw = _Transpose(torch.float32, grad_dtypes[1], index, (1, q, cout),
                                          (1, q, cout), (0, q))
         if need_bias:
-            self.db_at = carve.add(cout * 4)
+            self.kernel_keys["bias"] = ("grad_bias", dtype, None, device, grad_dtypes[2])
             self.restore_db = _Transpose(torch.float32, grad_dtypes[2], index, (1, 1, cout),
                                          (1, 1, cout), (0, 1))
-        self.zero_bytes = carve.size - self.zero_from
-        self.workspace_bytes = carve.size
 
     def run(self, grad_y, x, weight, input_linear, weight_linear, reverse: ReverseTables | None,
             *, poison: bool = False):
@@ -629,13 +595,14 @@ class BackwardLaunch:
         element left unwritten shows as NaN."""
         device, index = grad_y.device, self.device.index
         batch, bpad, gpad, cin, nin = self.batch, self.bpad, self.gpad, self.cin, self.nin
-        workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
+        at = self.workspace
+        workspace = torch.empty(at.size, dtype=torch.uint8, device=device)
         if poison:
-            workspace[: self.zero_from].fill_(0xFF)  # all-ones bytes: NaN in every float type
+            workspace[: at.zero_from].fill_(0xFF)  # all-ones bytes: NaN in every float type
         new = partial(torch.full, fill_value=math.nan) if poison else torch.empty
         base = workspace.data_ptr()
-        if self.zero_bytes:
-            _zero(base + self.zero_from, self.zero_bytes, index)
+        if at.zero_bytes:
+            _zero(base + at.zero_from, at.zero_bytes, index)
         sb, so, sn = grad_y.stride()
         # grad_y as dW reads it (itself, or gt), and whether its bias gradient is summed apart
         # (the channel-by-channel transpose sums it on the way)
@@ -645,19 +612,19 @@ class BackwardLaunch:
                                  "16-byte aligned node rows")
             gt, sum_bias = grad_y.data_ptr(), True
         elif self.to_gt_by_node is not None and so == 1 and sn == self.cout:
-            gt, sum_bias = base + self.gt_at, True
+            gt, sum_bias = base + at.gt, True
             self.to_gt_by_node(grad_y, gt, (sn, sb, so))
         else:
-            gt, sum_bias = base + self.gt_at, False
-            self.to_gt(grad_y, gt, (so, sb, sn), base + self.db_at if self.need_bias else 0)
+            gt, sum_bias = base + at.gt, False
+            self.to_gt(grad_y, gt, (so, sb, sn), base + at.db if self.need_bias else 0)
         if sum_bias and self.need_bias:
             torch.sum(grad_y, dim=(0, 2), dtype=torch.float32,
-                      out=workspace[self.db_at:self.db_at + 4 * self.cout].view(torch.float32))
+                      out=workspace[at.db:at.db + 4 * self.cout].view(torch.float32))
         dx = dw = db = None
         if self.need_input:
             if weight.dtype != self.dtype:
                 weight = weight.to(self.dtype)
-            w_relaid, staging = base + self.weight_at, base + self.dx_at
+            w_relaid, staging = base + at.weight, base + at.dx
             if self.algorithm == "gather":
                 s_out, s_in = weight.stride()
                 self.weight_layout(weight, w_relaid, (s_out, (self.q // cin) * s_in, s_in))
@@ -675,12 +642,12 @@ class BackwardLaunch:
                 dx.fill_(math.nan)
             self.restore_dx.launch_raw(staging, dx.data_ptr(), self.restore_dx_strides)
         if self.need_weight:
-            if self.xt_at is None:  # the forward's kept re-layout (see batch_padding)
+            if at.xt is None:  # the forward's kept re-layout (see batch_padding)
                 xt = x.xt.data_ptr()
             else:
-                xt = base + self.xt_at
+                xt = base + at.xt
                 self.input_layout.write(x, xt)
-            dwt = base + self.dw_at
+            dwt = base + at.dw
             self.weight_gemm(xt, gt, input_linear.data_ptr(),
                              weight_linear.data_ptr(), dwt, bpad, gpad, self.p64, cin * nin,
                              self.p_tiles, self.per_split, sb, self.cout, batch)
@@ -688,7 +655,7 @@ class BackwardLaunch:
             self.restore_dw.launch_raw(dwt, dw.data_ptr(), (0, gpad, 1))
         if self.need_bias:
             db = new((self.cout,), dtype=self.grad_dtypes[2], device=device)
-            self.restore_db.launch_raw(base + self.db_at, db.data_ptr(), (0, 0, 1))
+            self.restore_db.launch_raw(base + at.db, db.data_ptr(), (0, 0, 1))
         return dx, dw, db
 
 

@@ -3,7 +3,8 @@
 Each direction of a call has one planner, a pure function of the layer's sizes, the batch
 and the device's limits (:class:`DeviceLimits`) that returns the whole plan: the kernel
 family, its tiles (from tiles.json through :mod:`.configs`, or the caller's), the padded
-extents, the walk of nodes per CTA, the grid and the shared memory of every gathered GEMM.
+extents, the walk of nodes per CTA, the grid and the shared memory of every gathered GEMM,
+and a backward's workspace (:class:`Workspace`).
 
 ==============================  ================================================================
 planner                         serves
@@ -13,7 +14,8 @@ planner                         serves
                                 from re-laid-out operands
 :func:`plan_gather`             the channels-last gather: the forward, or dx over the reversed
                                 graph (knn_gather_cl, or on Hopper its warpgroup-MMA variant)
-:func:`plan_channels_last_dw`   dW from channels-last x and grad_y (knn_grad_weight_cl)
+:func:`plan_channels_last_      dx (plan_gather) and dW (knn_grad_weight_cl) from channels-last
+backward`                       x and grad_y
 ==============================  ================================================================
 
 The launch classes (:mod:`.launch`, :mod:`.channels_last`) build the kernels, re-layouts and
@@ -83,13 +85,49 @@ class ForwardPlan:
     slots: int
 
 
+class Carve:
+    """Byte offsets of several buffers inside one allocation, each 256-byte aligned, so a
+    call allocates once instead of once per temporary."""
+
+    def __init__(self) -> None:
+        self.size = 0
+
+    def add(self, nbytes: int) -> int:
+        offset = self.size
+        self.size = round_up(offset + nbytes, 256)
+        return offset
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Where a backward's temporaries lie in its one allocation (None: not needed): grad_y
+    re-laid out (gt), x re-laid out (xt), the weight re-laid out, dx's staging, and the fp32
+    accumulators of dW and the bias gradient. Bytes [zero_from, size) are zeroed before the
+    kernels run (the accumulators); those before it are written whole by a re-layout or a
+    kernel."""
+
+    size: int
+    zero_from: int
+    gt: int | None = None
+    xt: int | None = None
+    weight: int | None = None
+    dx: int | None = None
+    dw: int | None = None
+    db: int | None = None
+
+    @property
+    def zero_bytes(self) -> int:
+        return self.size - self.zero_from
+
+
 @dataclass(frozen=True)
 class BackwardPlan:
     """dx and dW from re-laid-out operands: the dx kernel (``input``, by ``algorithm``) and
     dW's (``weight``), each None when its gradient is not needed; the padded batch (``bpad``,
     ``reuses_padding`` when it is the forward's kept one), Cout padded to ``gpad``, Cin to
     ``cinpad`` (gathered dx), dW's batch steps ``per_split`` a slice over ``p_tiles`` slot
-    tiles."""
+    tiles; dx staged in the compute dtype (a gather writing each element once, dx wanted in
+    that dtype) or in fp32; the workspace."""
 
     algorithm: str
     input: GemmPlan | None
@@ -97,6 +135,8 @@ class BackwardPlan:
     bpad: int
     gpad: int
     reuses_padding: bool
+    dx_staged_in_compute_dtype: bool
+    workspace: Workspace
     cinpad: int | None = None
     per_split: int | None = None
     p_tiles: int | None = None
@@ -118,6 +158,16 @@ class ChannelsLastWeightPlan:
     gemm: GemmPlan
     wpad: int
     per_split: int
+
+
+@dataclass(frozen=True)
+class ChannelsLastBackwardPlan:
+    """dx by the gather over the reversed graph, dW by cell (each None when not needed), and
+    the workspace: the weight re-laid out by cell for dx, dW's fp32 accumulator."""
+
+    input: GatherPlan | None
+    weight: ChannelsLastWeightPlan | None
+    workspace: Workspace
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -207,15 +257,19 @@ def plan_forward(*, batch: int, cin: int, nin: int, cout: int, nout: int, p64: i
     return ForwardPlan(gemm, bpad, cpad, slots)
 
 
-def plan_backward(*, batch: int, cin: int, nin: int, cout: int, nout: int, p64: int,
-                  device: DeviceLimits, need_input: bool = True, need_weight: bool = True,
-                  algorithm: str | None = None, input_config: KernelConfig | None = None,
+def plan_backward(*, batch: int, cin: int, nin: int, cout: int, nout: int, q: int, p64: int,
+                  element_bytes: int, device: DeviceLimits, need_input: bool = True,
+                  need_weight: bool = True, need_bias: bool = False,
+                  dx_in_compute_dtype: bool = False, algorithm: str | None = None,
+                  input_config: KernelConfig | None = None,
                   weight_config: KernelConfig | None = None, ksplit: int | None = None,
                   nodes_per_cta: int | None = None, batch_padding: int | None = None,
                   grad_y_in_place: bool = False) -> BackwardPlan:
-    """The re-laying-out backward's plan. ``batch_padding``: the padded batch to use where
-    the tiles allow it (that of a forward's kept re-layout of x, so the backward reuses it),
-    else the smallest; ``grad_y_in_place``: dW reads channels-last grad_y itself."""
+    """The re-laying-out backward's plan, for operands of ``element_bytes`` (the compute
+    dtype's). ``dx_in_compute_dtype``: dx is wanted in the compute dtype; ``batch_padding``:
+    the padded batch to use where the tiles allow it (that of a forward's kept re-layout of
+    x, so the backward reuses it), else the smallest; ``grad_y_in_place``: dW reads
+    channels-last grad_y itself."""
     algorithm = algorithm or default_grad_input_algorithm(cin)
     if algorithm not in ("gather", "scatter"):
         raise ValueError(f"algorithm must be 'gather' or 'scatter', got {algorithm!r}")
@@ -258,7 +312,32 @@ def plan_backward(*, batch: int, cin: int, nin: int, cout: int, nout: int, p64: 
                                shared_memory_bytes("grad_weight", gw,
                                                    grad_in_place=grad_y_in_place),
                                grad_in_place=grad_y_in_place)
-    return BackwardPlan(algorithm, input_plan, weight_plan, bpad, gpad, reuses, cinpad,
+    # dx is staged before its layout is restored: in float32 where atomics sum it (scatter),
+    # in the compute dtype where dx is wanted in it and the gather writes each element once
+    # from fp32 accumulators (rounding as a later conversion would, in half the bytes)
+    gathered = need_input and algorithm == "gather"
+    staged_in_compute = gathered and dx_in_compute_dtype
+    staging_bytes = element_bytes if staged_in_compute else 4
+    rows = cin * nin
+    carve, at = Carve(), {}
+    if not grad_y_in_place:
+        at["gt"] = carve.add(nout * gpad * bpad * element_bytes)
+    if need_weight and not reuses:  # a forward's kept re-layout of x is reused where it fits
+        at["xt"] = carve.add((rows + 1) * bpad * element_bytes)
+    if gathered:
+        at["weight"] = carve.add((q // cin) * gpad * cinpad * element_bytes)
+        at["dx"] = carve.add(batch * nin * cin * staging_bytes)
+    elif need_input:
+        at["weight"] = carve.add(q * gpad * element_bytes)
+    zero_from = carve.size
+    if need_input and not gathered:  # slot gradients summed with atomics
+        at["dx"] = carve.add(rows * bpad * staging_bytes)
+    if need_weight:
+        at["dw"] = carve.add(q * gpad * 4)
+    if need_bias:
+        at["db"] = carve.add(cout * 4)
+    return BackwardPlan(algorithm, input_plan, weight_plan, bpad, gpad, reuses,
+                        staged_in_compute, Workspace(carve.size, zero_from, **at), cinpad,
                         per_split, p_tiles)
 
 
@@ -315,3 +394,31 @@ def plan_channels_last_dw(*, batch: int, cin: int, cout: int, entries: int,
     return ChannelsLastWeightPlan(
         GemmPlan("grad_weight_cl", gw, grid, shared_memory_bytes("grad_weight_cl", gw)), wpad,
         per_split)
+
+
+def plan_channels_last_backward(*, batch: int, cin: int, nin: int, cout: int, v: int,
+                                entries: int, element_bytes: int, device: DeviceLimits,
+                                warpgroup_mma: bool, need_input: bool = True,
+                                need_weight: bool = True, input_family: str | None = None,
+                                input_config: KernelConfig | None = None,
+                                weight_config: KernelConfig | None = None,
+                                ksplit: int | None = None,
+                                nodes_per_cta: int | None = None) -> ChannelsLastBackwardPlan:
+    """The channels-last backward's plan: dx by :func:`plan_gather` over the reversed graph
+    (Cin produced from entries of Cout channels on the input nodes), dW by
+    :func:`plan_channels_last_dw`, for operands of ``element_bytes``."""
+    carve, at = Carve(), {}
+    input_plan = weight_plan = None
+    if need_input:
+        input_plan = plan_gather(batch=batch, n=cin, width=cout, nodes=nin, entries=entries,
+                                 device=device, warpgroup_mma=warpgroup_mma,
+                                 family=input_family, config=input_config,
+                                 nodes_per_cta=nodes_per_cta)
+        at["weight"] = carve.add(v * cout * input_plan.npad * element_bytes)
+    zero_from = carve.size
+    if need_weight:
+        weight_plan = plan_channels_last_dw(batch=batch, cin=cin, cout=cout, entries=entries,
+                                            device=device, config=weight_config, ksplit=ksplit)
+        at["dw"] = carve.add(v * cin * weight_plan.wpad * 4)
+    return ChannelsLastBackwardPlan(input_plan, weight_plan,
+                                    Workspace(carve.size, zero_from, **at))
