@@ -12,9 +12,9 @@
 # at most eight files there (what a device run brings back); every stage's log, the main bench's
 # h200.csv (the rows of h200.json), and the example networks' (h200_alexnet.json,
 # h200_resnet18.json), neighbourhood, re-layout, torch_binned (h200_binned.*), host-path
-# (host.json), fovi whole-model (h200_fovi_models.*) and same-run anchor benchmarks' JSON/PNG,
-# in OUTDIR/logs.tar.gz (the anchor and
-# convergence stages need fovi, from WHEEL_DIR), the gather tuner's (tune_gather.json); each stage's exit status and time are
+# (host.json), fovi whole-model (h200_fovi_models.*) and same-run anchor benchmarks' JSON/PNG
+# and the gather tuner's (tune_gather.json), in OUTDIR/logs.tar.gz (the anchor and
+# convergence stages need fovi, from WHEEL_DIR); each stage's exit status and time are
 # summarised in OUTDIR/summary.txt.
 # FOVI_TESTS: a file of fovi's own tests of the module-level kernel API (its
 # tests/test_knn_cuda.py, imports pointed at knnconv.cuda), run by the fovi_api stage.
