@@ -6,17 +6,18 @@ family, its tiles (from tiles.json through :mod:`.configs`, or the caller's), th
 extents, the walk of nodes per CTA, the grid and the shared memory of every gathered GEMM,
 and a backward's workspace (:class:`Workspace`).
 
-==============================  ================================================================
-planner                         serves
-==============================  ================================================================
-:func:`plan_forward`            the forward from the re-laid-out x (knn_forward)
-:func:`plan_backward`           dx (reversed-graph gather or slot scatter) and dW (grad_weight)
-                                from re-laid-out operands
-:func:`plan_gather`             the channels-last gather: the forward, or dx over the reversed
-                                graph (knn_gather_cl, or on Hopper its warpgroup-MMA variant)
-:func:`plan_channels_last_      dx (plan_gather) and dW (knn_grad_weight_cl) from channels-last
-backward`                       x and grad_y
-==============================  ================================================================
+====================================  ==========================================================
+planner                               serves
+====================================  ==========================================================
+:func:`plan_forward`                  the forward from the re-laid-out x (knn_forward)
+:func:`plan_backward`                 dx (reversed-graph gather or slot scatter) and dW
+                                      (grad_weight) from re-laid-out operands
+:func:`plan_gather`                   the channels-last gather: the forward, or dx over the
+                                      reversed graph (knn_gather_cl, or on Hopper its
+                                      warpgroup-MMA variant)
+:func:`plan_channels_last_backward`   dx (plan_gather) and dW (knn_grad_weight_cl, planned by
+                                      plan_channels_last_dw) from channels-last x and grad_y
+====================================  ==========================================================
 
 The launch classes (:mod:`.launch`, :mod:`.channels_last`) build the kernels, re-layouts and
 workspaces a plan names and run them; nothing else chooses a tile.

@@ -15,16 +15,17 @@
 
 namespace knnconv {
 
-constexpr int kCoreBytes = 128;        // one core matrix: 8 rows of 16 bytes
+constexpr int kCoreBytes = 128;  // one core matrix: 8 rows of 16 bytes
 constexpr int kGroupBytes = 2 * kCoreBytes;  // an 8-row group of one 16-deep step
 constexpr int kWarpgroup = 128;
 
-// The shared-memory matrix descriptor of a no-swizzle tile starting at `tile`.
+// The shared-memory matrix descriptor of a no-swizzle tile starting at `tile`: its leading
+// offset steps to the next core matrix along K, its stride offset to the next 8-row group.
 __device__ __forceinline__ unsigned long long core_matrix_descriptor(const void* tile) {
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(tile));
   return static_cast<unsigned long long>((address >> 4) & 0x3FFF) |
-         static_cast<unsigned long long>(kCoreBytes >> 4) << 16 |  // leading: the next core along K
-         static_cast<unsigned long long>(kGroupBytes >> 4) << 32;  // stride: the next 8-row group
+         static_cast<unsigned long long>(kCoreBytes >> 4) << 16 |
+         static_cast<unsigned long long>(kGroupBytes >> 4) << 32;
 }
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a tile whose rows run along K: step
