@@ -32,11 +32,15 @@ WGMMA = "gather_cl_wgmma"
 # (bn, bk, warpgroups, stages) of the warpgroup-MMA gather: shallow K steps get more stages
 WGMMA_SPACE = [(bn, bk, rb, stages) for bn in (64, 128, 256) for bk in (32, 64)
                for rb in (1, 2) for stages in ((4, 6) if bk == 32 else (3, 4))]
+# mma.sync tiles beyond tiles.json's: 256 produced channels a CTA (16 warps of 64 x 32, as
+# the best 128-channel tile's warps), which halves the gathered rows staged per product
+GATHER_EXTRA = [KernelConfig(64, 256, 32, 2, 2, 8, stages, True, 8) for stages in (3, 4)]
 WALKS = (None, 1, 4)  # nodes per CTA; None: the default
 
 
 def candidates(width: int, capability) -> list[tuple[str, KernelConfig]]:
     found = {("gather_cl", KernelConfig(*rule["config"])) for rule in _rules()["gather_cl"]}
+    found |= {("gather_cl", cfg) for cfg in GATHER_EXTRA}
     if tuple(capability) == ARCHITECTURE_FAMILIES[WGMMA]:
         found |= {(WGMMA, KernelConfig(64, bn, bk, rb, 4 * rb, 1, stages, True, 8))
                   for bn, bk, rb, stages in WGMMA_SPACE}
