@@ -1,5 +1,7 @@
-"""Backward launch plans built without a GPU (kernel builds and device queries stubbed): what
-they stage dx in, the workspace they carve for it, and the kernels CudaOps verifies."""
+"""The launch classes (launch.ForwardLaunch, BackwardLaunch) built without a GPU, kernel
+builds and device queries stubbed: what they stage dx in, the workspace they use, and the
+kernels CudaOps verifies. The planners they take their plans from are tested in
+test_launch_plan.py."""
 
 from __future__ import annotations
 
