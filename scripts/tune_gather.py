@@ -22,6 +22,7 @@ from knnconv.ops import cuda as knn_cuda
 from knnconv.ops.cuda import channels_last
 from knnconv.ops.cuda.configs import (
     ARCHITECTURE_FAMILIES,
+    WALKING_MAX_THREADS,
     KernelConfig,
     _rules,
     check_config,
@@ -79,6 +80,8 @@ def tune_cell(layer, batch: int) -> list[dict]:
                                                      WALKS):
             if family is None and walk is not None:
                 continue
+            if walk is not None and walk > 1 and cfg.threads > WALKING_MAX_THREADS:
+                continue  # such tiles serve one node a CTA
             try:
                 if direction == "forward":
                     launch = channels_last.ChannelsLastForward(**sizes, config=cfg, family=family,
