@@ -160,14 +160,14 @@ def test_every_warpgroup_mma_rule_matches_float64(dtype, name):
 @pytest.mark.skipif(torch.cuda.get_device_capability() != configs.ARCHITECTURE_FAMILIES[WGMMA],
                     reason="warpgroup MMA runs on compute capability 9.0 only")
 @pytest.mark.parametrize("setting", (False, True))
-def test_hopper_takes_the_warpgroup_mma_gather_when_the_setting_asks(setting):
+def test_hopper_takes_the_warpgroup_mma_gather_when_asked(setting):
     sizes = dict(batch=256, cin=128, nin=64, cout=128, nout=64, v=9, entries=576,
                  dtype=torch.float16, device=DEVICE)
     expected = WGMMA if setting else "gather_cl"
-    with knnconv.context.using(warpgroup_mma=setting):
-        assert channels_last.ChannelsLastForward(**sizes).family == expected
-        backward = channels_last.ChannelsLastBackward(**sizes, need_weight=False)
-        assert backward.kernel_keys["input"][0] == expected
+    assert channels_last.ChannelsLastForward(**sizes, warpgroup_mma=setting).family == expected
+    backward = channels_last.ChannelsLastBackward(**sizes, need_weight=False,
+                                                  warpgroup_mma=setting)
+    assert backward.kernel_keys["input"][0] == expected
 
 
 @pytest.mark.parametrize("grad_dtype", (torch.float32, torch.float16))

@@ -219,11 +219,12 @@ class CudaOps(KNNConvOps):
     def _forward_in_place(self, plan, x, weight, bias):
         device, batch = x.device, x.shape[0]
         # the gather kernel follows knnconv.context's warpgroup_mma: a plan per setting
-        launch = self._launch_plan(plan, device, ("forward_cl", batch, x.dtype,
-                                                  context.settings().warpgroup_mma), lambda: (
+        wgmma = context.settings().warpgroup_mma
+        launch = self._launch_plan(plan, device, ("forward_cl", batch, x.dtype, wgmma), lambda: (
             channels_last.ChannelsLastForward(
                 batch=batch, cin=plan.cin, nin=plan.nin, cout=plan.cout, nout=plan.nout,
-                v=plan.v, entries=plan.entry_count, dtype=x.dtype, device=device)))
+                v=plan.v, entries=plan.entry_count, dtype=x.dtype, device=device,
+                warpgroup_mma=wgmma)))
         key = launch.kernel_key(bias)
         first = self._first_use(key)
         y = launch.run(x, weight, bias, self.entries(plan, device), poison_output=first)
@@ -322,14 +323,14 @@ class CudaOps(KNNConvOps):
     def _gradients_in_place(self, plan, grad_y, x, weight, needs, grad_dtypes):
         device, batch = grad_y.device, grad_y.shape[0]
         need_input, need_weight, need_bias = needs
+        wgmma = context.settings().warpgroup_mma
         launch = self._launch_plan(
-            plan, device, ("backward_cl", batch, grad_y.dtype, needs, grad_dtypes,
-                           context.settings().warpgroup_mma),
+            plan, device, ("backward_cl", batch, grad_y.dtype, needs, grad_dtypes, wgmma),
             lambda: channels_last.ChannelsLastBackward(
                 batch=batch, cin=plan.cin, nin=plan.nin, cout=plan.cout, nout=plan.nout,
                 v=plan.v, entries=plan.entry_count, dtype=grad_y.dtype, device=device,
                 need_input=need_input, need_weight=need_weight, need_bias=need_bias,
-                grad_dtypes=grad_dtypes))
+                grad_dtypes=grad_dtypes, warpgroup_mma=wgmma))
         keys = launch.kernel_keys
         first = {role for role, key in keys.items() if self._first_use(key)}
         grads = launch.run(grad_y, x, weight, self.entries(plan, device) if need_weight else None,

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ... import context
 from .configs import KernelConfig, channels_last_width_multiple
 from .launch import (
     ReverseTables,
@@ -87,19 +86,20 @@ def _indexed(device: torch.device) -> torch.device:
 class ChannelsLastForward:
     """The forward of one (layer sizes, batch, dtype, device) on channels-last x: the weight
     re-laid out by cell (wc [V, Cin, cpad], wc[v, c, o] = W[o, c*V + v]) and knn_gather_cl over
-    each output node's real neighbours (or its warpgroup-MMA variant, see configs). y comes in
-    channels-last storage. ``config`` and ``family`` pick the kernel and its tiles."""
+    each output node's real neighbours (or, with ``warpgroup_mma`` on Hopper, its
+    warpgroup-MMA variant: see configs). y comes in channels-last storage. ``config`` and
+    ``family`` pick the kernel and its tiles instead."""
 
     def __init__(self, *, batch: int, cin: int, nin: int, cout: int, nout: int, v: int,
                  entries: int, dtype: torch.dtype, device: torch.device,
                  config: KernelConfig | None = None, family: str | None = None,
-                 nodes_per_cta: int | None = None) -> None:
+                 nodes_per_cta: int | None = None, warpgroup_mma: bool = False) -> None:
         device = _indexed(device)
         index = device.index
         self.plan = plan = plan_gather(
             batch=batch, n=cout, width=cin, nodes=nout, entries=entries,
-            device=device_limits(index), warpgroup_mma=context.settings().warpgroup_mma,
-            family=family, config=config, nodes_per_cta=nodes_per_cta)
+            device=device_limits(index), warpgroup_mma=warpgroup_mma, family=family,
+            config=config, nodes_per_cta=nodes_per_cta)
         self.family, self.cfg = plan.gemm.family, plan.gemm.cfg
         self.batch, self.cin, self.cout, self.nout, self.v, self.dtype = (batch, cin, cout,
                                                                           nout, v, dtype)
@@ -150,13 +150,13 @@ class ChannelsLastBackward:
                  grad_dtypes=(torch.float32, torch.float32, torch.float32),
                  input_config: KernelConfig | None = None, input_family: str | None = None,
                  weight_config: KernelConfig | None = None, ksplit: int | None = None,
-                 nodes_per_cta: int | None = None) -> None:
+                 nodes_per_cta: int | None = None, warpgroup_mma: bool = False) -> None:
         device = _indexed(device)
         index = device.index
         self.plan = plan = plan_channels_last_backward(
             batch=batch, cin=cin, nin=nin, cout=cout, v=v, entries=entries,
             element_bytes=dtype.itemsize, device=device_limits(index),
-            warpgroup_mma=context.settings().warpgroup_mma, need_input=need_input,
+            warpgroup_mma=warpgroup_mma, need_input=need_input,
             need_weight=need_weight, input_family=input_family, input_config=input_config,
             weight_config=weight_config, ksplit=ksplit, nodes_per_cta=nodes_per_cta)
         self.workspace = plan.workspace

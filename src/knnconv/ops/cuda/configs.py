@@ -57,6 +57,8 @@ CHANNELS_LAST_FAMILIES = ("gather_cl", "grad_weight_cl")
 # variants for one architecture: family -> the compute capability it runs on
 ARCHITECTURE_FAMILIES = {"gather_cl_wgmma": (9, 0)}
 WGMMA_TILE_N = (64, 128, 256)  # the wgmma shapes knn_conv_sm90.cu instantiates
+# warp-specialised families: a warpgroup beyond the tile's wm x wn warps stages the operands
+STAGING_WARPGROUP_FAMILIES = ("gather_cl_wgmma",)
 ELEMENT_BYTES = 2
 CHUNK_ELEMENTS = 8
 SHARED_PAD = 8  # must match kPad in kernels/knn_common.cuh
@@ -115,7 +117,7 @@ def shared_memory_bytes(family: str, cfg: KernelConfig, *, grad_in_place: bool =
 def block_threads(family: str, cfg: KernelConfig) -> int:
     """Threads of one CTA: the warps that multiply, and the staging warpgroup of the
     warp-specialised kernels."""
-    return cfg.threads + (128 if family in ARCHITECTURE_FAMILIES else 0)
+    return cfg.threads + (128 if family in STAGING_WARPGROUP_FAMILIES else 0)
 
 
 def _channel_tile(family: str, cfg: KernelConfig) -> int | None:

@@ -55,8 +55,6 @@ PAIRS_TILE = 64  # kPairsTile in knn_common.cuh
 SQUARE_TILE_LOG2 = 5
 MAX_KERNEL_ARGS = 20  # the parameter slots of one launch (see _ThreadLaunchState)
 VECTOR_BYTES = 16  # every staged run is whole 16-byte chunks
-# grad_weight reading channels-last grad_y stages 16-byte runs of its Cout channels
-GRAD_IN_PLACE_COUT_MULTIPLE = 8
 
 
 class _ThreadLaunchState(threading.local):
@@ -515,10 +513,6 @@ class BackwardLaunch:
                  grad_y_in_place: bool = False) -> None:
         """batch_padding: the padded batch to use where the tiles allow it (that of a
         forward's kept re-layout of x, so the backward reuses it), else the smallest."""
-        if grad_y_in_place and (need_input or cout % GRAD_IN_PLACE_COUT_MULTIPLE):
-            raise ValueError(
-                "grad_y_in_place serves dW and the bias gradient alone, for Cout a multiple of "
-                f"{GRAD_IN_PLACE_COUT_MULTIPLE}; got need_input={need_input}, Cout={cout}")
         self.grad_y_in_place = grad_y_in_place
         index = device.index
         self.plan = plan = plan_backward(

@@ -47,6 +47,8 @@ from .configs import (
 )
 
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
+# grad_weight reading channels-last grad_y stages 16-byte runs of its Cout channels
+GRAD_IN_PLACE_COUT_MULTIPLE = 8
 
 
 @dataclass(frozen=True)
@@ -270,7 +272,12 @@ def plan_backward(*, batch: int, cin: int, nin: int, cout: int, nout: int, q: in
     dtype's). ``dx_in_compute_dtype``: dx is wanted in the compute dtype; ``batch_padding``:
     the padded batch to use where the tiles allow it (that of a forward's kept re-layout of
     x, so the backward reuses it), else the smallest; ``grad_y_in_place``: dW reads
-    channels-last grad_y itself."""
+    channels-last grad_y itself (dW and the bias gradient alone, Cout a multiple of
+    GRAD_IN_PLACE_COUT_MULTIPLE)."""
+    if grad_y_in_place and (need_input or cout % GRAD_IN_PLACE_COUT_MULTIPLE):
+        raise ValueError(
+            "grad_y_in_place serves dW and the bias gradient alone, for Cout a multiple of "
+            f"{GRAD_IN_PLACE_COUT_MULTIPLE}; got need_input={need_input}, Cout={cout}")
     algorithm = algorithm or default_grad_input_algorithm(cin)
     if algorithm not in ("gather", "scatter"):
         raise ValueError(f"algorithm must be 'gather' or 'scatter', got {algorithm!r}")

@@ -559,9 +559,9 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
 //
 // A CTA walks nodes_per_cta consecutive nodes in one pipeline, their slot tables staged in
 // shared memory first, `slots` entries a node, so tile t's table entries start at t * kTileK.
-// Products run on explicit mma.sync fragments, and each node's
-// results go from the accumulators straight to y in channels-last storage, the bias (staged
-// once in shared memory) added in fp32.
+// Products run on explicit mma.sync fragments, and each node's results go from the
+// accumulators straight to y in channels-last storage, the bias (staged once in shared
+// memory) added in fp32.
 template <typename T, typename TOut, int kTileM, int kTileN, int kTileK, int kWarpsM,
           int kWarpsN, int kStages, bool kAsync>
 __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,

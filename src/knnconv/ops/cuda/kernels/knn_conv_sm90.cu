@@ -108,75 +108,55 @@ __device__ __forceinline__ void fence_async_shared() {
 template <typename T, int kN>
 struct Wgmma;
 
+// The operand lists of m64nNk16: N / 2 accumulators a thread (%0 .. %(N/2 - 1)), then the two
+// descriptors (DESCRIPTORS below). Each list extends the narrower one.
 #define KNN_ACC8(i) "+f"(acc[i][0]), "+f"(acc[i][1]), "+f"(acc[i][2]), "+f"(acc[i][3]), \
     "+f"(acc[i + 1][0]), "+f"(acc[i + 1][1]), "+f"(acc[i + 1][2]), "+f"(acc[i + 1][3])
+#define KNN_ACC_64 KNN_ACC8(0), KNN_ACC8(2), KNN_ACC8(4), KNN_ACC8(6)
+#define KNN_ACC_128 KNN_ACC_64, KNN_ACC8(8), KNN_ACC8(10), KNN_ACC8(12), KNN_ACC8(14)
+#define KNN_ACC_256 KNN_ACC_128, KNN_ACC8(16), KNN_ACC8(18), KNN_ACC8(20), KNN_ACC8(22), \
+    KNN_ACC8(24), KNN_ACC8(26), KNN_ACC8(28), KNN_ACC8(30)
+#define KNN_REGS_64 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, " \
+    "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+    "%24, %25, %26, %27, %28, %29, %30, %31"
+#define KNN_REGS_128 KNN_REGS_64 ", " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
+    "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, " \
+    "%56, %57, %58, %59, %60, %61, %62, %63"
+#define KNN_REGS_256 KNN_REGS_128 ", " \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, " \
+    "%76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, " \
+    "%88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, " \
+    "%100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, " \
+    "%124, %125, %126, %127"
 
-#define KNN_WGMMA_64(TYPE, PTX_TYPE)                                                          \
+#define KNN_WGMMA(TYPE, PTX_TYPE, N, DESCRIPTORS)                                             \
   template <>                                                                                 \
-  struct Wgmma<TYPE, 64> {                                                                    \
-    static __device__ __forceinline__ void step(float (&acc)[8][4], unsigned long long a, unsigned long long b) { \
-      asm volatile(                                                                           \
-          "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX_TYPE "." PTX_TYPE " "            \
-          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "           \
-          "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
-          "%32, %33, 1, 1, 1, 0, 1;\n"                                                         \
-          : KNN_ACC8(0), KNN_ACC8(2), KNN_ACC8(4), KNN_ACC8(6)                                \
-          : "l"(a), "l"(b));                                                                  \
+  struct Wgmma<TYPE, N> {                                                                     \
+    static __device__ __forceinline__ void step(float (&acc)[N / 8][4], unsigned long long a, \
+                                                unsigned long long b) {                       \
+      asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE   \
+                   " {" KNN_REGS_##N "}, " DESCRIPTORS ", 1, 1, 1, 0, 1;\n"                  \
+                   : KNN_ACC_##N                                                              \
+                   : "l"(a), "l"(b));                                                         \
     }                                                                                         \
   };
+#define KNN_WGMMA_BOTH_TYPES(N, DESCRIPTORS)    \
+  KNN_WGMMA(__half, "f16", N, DESCRIPTORS)      \
+  KNN_WGMMA(__nv_bfloat16, "bf16", N, DESCRIPTORS)
 
-#define KNN_WGMMA_128(TYPE, PTX_TYPE)                                                          \
-  template <>                                                                                  \
-  struct Wgmma<TYPE, 128> {                                                                    \
-    static __device__ __forceinline__ void step(float (&acc)[16][4], unsigned long long a, unsigned long long b) { \
-      asm volatile(                                                                            \
-          "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX_TYPE "." PTX_TYPE " "            \
-          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "            \
-          "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "   \
-          "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "    \
-          "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "  \
-          "%64, %65, 1, 1, 1, 0, 1;\n"                                                          \
-          : KNN_ACC8(0), KNN_ACC8(2), KNN_ACC8(4), KNN_ACC8(6), KNN_ACC8(8), KNN_ACC8(10),     \
-            KNN_ACC8(12), KNN_ACC8(14)                                                         \
-          : "l"(a), "l"(b));                                                                   \
-    }                                                                                          \
-  };
-
-#define KNN_WGMMA_256(TYPE, PTX_TYPE)                                                          \
-  template <>                                                                                  \
-  struct Wgmma<TYPE, 256> {                                                                    \
-    static __device__ __forceinline__ void step(float (&acc)[32][4], unsigned long long a,     \
-                                                unsigned long long b) {                        \
-      asm volatile(                                                                            \
-          "wgmma.mma_async.sync.aligned.m64n256k16.f32." PTX_TYPE "." PTX_TYPE " {"           \
-          "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "                                   \
-          "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "                         \
-          "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "                         \
-          "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                         \
-          "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, "                         \
-          "%60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, "                         \
-          "%72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, "                         \
-          "%84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                         \
-          "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, "                 \
-          "%108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, "             \
-          "%120, %121, %122, %123, %124, %125, %126, %127}, "                                    \
-          "%128, %129, 1, 1, 1, 0, 1;\n"                                                        \
-          : KNN_ACC8(0), KNN_ACC8(2), KNN_ACC8(4), KNN_ACC8(6), KNN_ACC8(8), KNN_ACC8(10),     \
-            KNN_ACC8(12), KNN_ACC8(14), KNN_ACC8(16), KNN_ACC8(18), KNN_ACC8(20),              \
-            KNN_ACC8(22), KNN_ACC8(24), KNN_ACC8(26), KNN_ACC8(28), KNN_ACC8(30)               \
-          : "l"(a), "l"(b));                                                                   \
-    }                                                                                          \
-  };
-
-KNN_WGMMA_64(__half, "f16")
-KNN_WGMMA_64(__nv_bfloat16, "bf16")
-KNN_WGMMA_128(__half, "f16")
-KNN_WGMMA_128(__nv_bfloat16, "bf16")
-KNN_WGMMA_256(__half, "f16")
-KNN_WGMMA_256(__nv_bfloat16, "bf16")
-#undef KNN_WGMMA_64
-#undef KNN_WGMMA_256
-#undef KNN_WGMMA_128
+KNN_WGMMA_BOTH_TYPES(64, "%32, %33")
+KNN_WGMMA_BOTH_TYPES(128, "%64, %65")
+KNN_WGMMA_BOTH_TYPES(256, "%128, %129")
+#undef KNN_WGMMA_BOTH_TYPES
+#undef KNN_WGMMA
+#undef KNN_REGS_256
+#undef KNN_REGS_128
+#undef KNN_REGS_64
+#undef KNN_ACC_256
+#undef KNN_ACC_128
+#undef KNN_ACC_64
 #undef KNN_ACC8
 
 __device__ __forceinline__ unsigned shared_address(const void* pointer) {
