@@ -67,15 +67,29 @@ def main() -> None:
               if args.device == "cuda" else torch.device("cpu"))
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    losses, backend_ran = train(args, rank, world, device, distributed)
+    if rank == 0:
+        with open(args.out, "w") as handle:
+            json.dump({"world_size": world, "backend_ran": backend_ran, "losses": losses}, handle)
+        print(f"world {world}: backend {backend_ran}, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    if distributed:
+        # The DDP wrapper talks to its peers when it is destroyed, so train() has released it
+        # and every rank meets here before any tears the group down and exits.
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def train(args, rank: int, world: int, device: torch.device,
+          distributed: bool) -> tuple[list[float], str]:
     model = build_model(args.backend).to(device)
-    nin = model[0].plan.nin
+    layer = model[0]
     if distributed:
         model = DistributedDataParallel(model, device_ids=[device.index] if device.index is not None
                                         else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     share = args.global_batch // world
     losses = []
-    for x, labels in global_batches(args.steps, args.global_batch, nin):
+    for x, labels in global_batches(args.steps, args.global_batch, layer.plan.nin):
         mine = slice(rank * share, (rank + 1) * share)
         with torch.autocast(device.type, dtype=torch.float16 if device.type == "cuda"
                             else torch.bfloat16, enabled=device.type == "cuda"):
@@ -89,19 +103,7 @@ def main() -> None:
             dist.all_reduce(total)
             total /= world
         losses.append(total.item())
-    layer = model.module[0] if distributed else model[0]
-    if rank == 0:
-        with open(args.out, "w") as handle:
-            json.dump({"world_size": world, "backend_ran": layer.last_backend,
-                       "losses": losses}, handle)
-        print(f"world {world}: backend {layer.last_backend}, loss {losses[0]:.4f} -> "
-              f"{losses[-1]:.4f}")
-    if distributed:
-        # Every rank reaches here before any tears the group down: gloo ranks that leave while
-        # a peer still talks to them can abort at exit.
-        dist.barrier()
-        dist.destroy_process_group()
-
+    return losses, layer.last_backend
 
 if __name__ == "__main__":
     main()
