@@ -4,11 +4,17 @@ falls back."""
 
 from __future__ import annotations
 
+import warnings
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..plan import GeometryPlan, KNNConvPlan
 from . import autotune
 from .registry import KNNConvOps, available_backends, get_ops
+
+if TYPE_CHECKING:
+    from .cuda import CudaOps
 
 # On the CPU torch_binned's dense GEMMs beat torch_compact's per-node products wherever a
 # node has no more cells than neighbours (V <= K: 1.2-3.1x at B = 64) and, at batches up to 8,
@@ -50,9 +56,31 @@ def resolve_backend(name: str, plan: GeometryPlan, device: torch.device, dtype: 
             cuda_ops = get_ops("cuda")
             if cuda_ops.unsupported_reason(plan, device, dtype, backward=backward) is None:
                 return cuda_ops
+            _warn_once_if_device_unserved(cuda_ops, device)
         return get_ops(torch_policy(plan, device, batch))
     ops = get_ops(name)
     reason = ops.unsupported_reason(plan, device, dtype, backward=backward)
     if reason is not None:
         raise ValueError(f"backend {name!r} cannot run this call: {reason}")
     return ops
+
+
+# (device index, reason) pairs already warned about in this process
+_warned_devices: set[tuple[int, str]] = set()
+
+
+def _warn_once_if_device_unserved(cuda_ops: CudaOps, device: torch.device) -> None:
+    """Warns, once per device and reason, when auto cannot use the native kernels on a CUDA
+    device at all (no CuPy, no CUDA headers, an NVRTC newer than the driver, an old GPU): a
+    GPU user then trains on the much slower torch backends, and should hear why. A call's own
+    reasons (float32 operands, deterministic mode) are documented choices and stay quiet; a
+    call under torch.compile leaves it to the eager calls, which come first."""
+    if torch.compiler.is_compiling():
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    reason = cuda_ops.device_reason(index)
+    if reason is None or (index, reason) in _warned_devices:
+        return
+    _warned_devices.add((index, reason))
+    warnings.warn(f"knnconv: backend='auto' runs the torch backends on cuda:{index}, where the "
+                  f"native kernels cannot run: {reason}", RuntimeWarning, stacklevel=4)

@@ -1,0 +1,55 @@
+"""The dispatcher's auto policy where the native kernels cannot run on a CUDA device."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from conftest import random_geometry
+from knnconv import get_ops
+from knnconv.ops import dispatch
+
+GPU = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def plan(rng):
+    return random_geometry(rng, nin=40, nout=12, k=5, v=8).plan(cin=8, cout=16)
+
+
+@pytest.fixture
+def device_reason(monkeypatch):
+    """The cuda backend on a stand-in device 0 that it cannot serve, and no warnings given yet."""
+    reasons = {0: "the 'cuda' backend needs CuPy"}
+    monkeypatch.setattr(get_ops("cuda"), "device_reason", reasons.get)
+    monkeypatch.setattr(dispatch, "_warned_devices", set())
+    return reasons
+
+
+def test_auto_warns_once_when_a_gpu_cannot_run_the_native_kernels(plan, device_reason):
+    with pytest.warns(RuntimeWarning, match="cuda:0, where the native kernels cannot run: "
+                                            "the 'cuda' backend needs CuPy"):
+        ops = dispatch.resolve_backend("auto", plan, GPU, torch.float16, batch=4)
+    assert ops.name == "torch_compact"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dispatch.resolve_backend("auto", plan, GPU, torch.float16, batch=4) is ops
+    device_reason[0] = "needs compute capability >= (8, 0), device 0 has (7, 5)"
+    with pytest.warns(RuntimeWarning, match="compute capability"):  # a new reason is new news
+        dispatch.resolve_backend("auto", plan, GPU, torch.float16, batch=4)
+
+
+def test_auto_stays_quiet_for_a_call_the_kernels_decline_on_a_capable_gpu(plan, device_reason):
+    device_reason[0] = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ops = dispatch.resolve_backend("auto", plan, GPU, torch.float32, batch=4)
+    assert ops.name == "torch_compact"  # float32 operands: the documented torch path
+
+
+def test_a_named_cuda_backend_raises_with_the_reason(plan, device_reason):
+    with pytest.raises(ValueError, match="backend 'cuda' cannot run this call: the 'cuda' "
+                                         "backend needs CuPy"):
+        dispatch.resolve_backend("cuda", plan, GPU, torch.float16, batch=4)
