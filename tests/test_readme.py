@@ -8,6 +8,8 @@ import dataclasses
 import json
 import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -244,3 +246,11 @@ def test_per_layer_headline_figures_are_the_committed_runs():
 @pytest.mark.parametrize("name", ["h200.json", "h200_anchor.json", "h200_fovi_models.json"])
 def test_result_files_name_the_gpu_they_ran_on(name):
     assert "H200" in json.loads((RESULTS / name).read_text())["device"]
+
+
+def test_linked_full_table_is_generated_from_the_committed_run():
+    generated = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "results_table.py"),
+         "bench/results/h200.json"], check=True, capture_output=True, text=True, cwd=ROOT)
+    assert "(bench/RESULTS.md)" in README
+    assert generated.stdout == (ROOT / "bench" / "RESULTS.md").read_text()
