@@ -254,3 +254,16 @@ def test_linked_full_table_is_generated_from_the_committed_run():
          "bench/results/h200.json"], check=True, capture_output=True, text=True, cwd=ROOT)
     assert "(bench/RESULTS.md)" in README
     assert generated.stdout == (ROOT / "bench" / "RESULTS.md").read_text()
+
+
+def test_layout_names_files_that_exist():
+    (tree,) = code_blocks(section("Layout"), "")
+    package = ROOT / "src" / "knnconv"
+    names = set(re.findall(r"\b([\w*]+\.(?:py|json|cu|cuh|sh|md))\b", tree))
+    assert len(names) > 20
+    present = {path.name for path in ROOT.rglob("*") if ".git" not in path.parts}
+    missing = sorted(name for name in names if "*" not in name and name not in present)
+    assert not missing
+    modules = {path.stem for path in package.rglob("*.py")}
+    for listed in re.findall(r"^  (\w+)/", tree, re.M):  # the package's sub-packages
+        assert (package / listed).is_dir() or listed in modules
