@@ -73,8 +73,9 @@ def main() -> None:
             json.dump({"world_size": world, "backend_ran": backend_ran, "losses": losses}, handle)
         print(f"world {world}: backend {backend_ran}, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     if distributed:
-        # The DDP wrapper talks to its peers when it is destroyed, so train() has released it
-        # and every rank meets here before any tears the group down and exits.
+        # A rank that destroyed the DDP wrapper after destroy_process_group could hang at
+        # exit, so train() has released it while the group is up; every rank meets here
+        # before any tears the group down.
         dist.barrier()
         dist.destroy_process_group()
 
@@ -104,6 +105,7 @@ def train(args, rank: int, world: int, device: torch.device,
             total /= world
         losses.append(total.item())
     return losses, layer.last_backend
+
 
 if __name__ == "__main__":
     main()

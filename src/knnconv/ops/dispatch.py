@@ -73,8 +73,9 @@ def _warn_once_if_device_unserved(cuda_ops: CudaOps, device: torch.device) -> No
     """Warns, once per device and reason, when auto cannot use the native kernels on a CUDA
     device at all (no CuPy, no CUDA headers, an NVRTC newer than the driver, an old GPU): a
     GPU user then trains on the much slower torch backends, and should hear why. A call's own
-    reasons (float32 operands, deterministic mode) are documented choices and stay quiet; a
-    call under torch.compile leaves it to the eager calls, which come first."""
+    reasons (float32 operands, deterministic mode) are documented choices and stay quiet.
+    Under torch.compile it says nothing: Dynamo cannot trace a warning, and fullgraph=True
+    would fail on it."""
     if torch.compiler.is_compiling():
         return
     index = device.index if device.index is not None else torch.cuda.current_device()
