@@ -314,7 +314,7 @@ def plan_backward(*, batch: int, cin: int, nin: int, cout: int, nout: int, q: in
                                                 multiprocessors=device.multiprocessors)
         else:
             ksplit = checked_ksplit(ksplit, k_tiles, batch, gw.bk)
-        per_split = -(-k_tiles // max(1, int(ksplit)))
+        per_split = -(-k_tiles // ksplit)
         splits = -(-k_tiles // per_split)
         weight_plan = GemmPlan("grad_weight", gw, (nout, p_tiles * splits, gpad // gw.bn),
                                shared_memory_bytes("grad_weight", gw,
