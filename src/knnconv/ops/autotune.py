@@ -43,7 +43,7 @@ from .timing import (
     unsupported_reason,
 )
 
-CANDIDATES = ("cuda", "torch_binned", "torch_compact")
+CANDIDATES = ("triton", "cuda", "torch_binned", "torch_compact")
 TIMED_STEPS = 3
 
 _lock = threading.Lock()  # measuring and the file; lookups of known cells do not take it

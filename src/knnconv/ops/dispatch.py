@@ -43,8 +43,9 @@ def resolve_backend(name: str, plan: GeometryPlan, device: torch.device, dtype: 
 
     An explicitly named backend that cannot serve the call raises; it never falls back.
     Auto takes the measured choice for a convolution's cell when autotuning is on (see
-    knnconv.ops.autotune; ``batch`` is needed for it), else picks the native CUDA backend for
-    CUDA tensors it supports, else the torch backend of :func:`torch_policy`. ``backward``:
+    knnconv.ops.autotune; ``batch`` is needed for it), else the first native backend of
+    NATIVE_ORDER that serves the call on CUDA tensors, else the torch backend of
+    :func:`torch_policy`. ``backward``:
     whether the call's gradients will be computed (see KNNConvOps.unsupported_reason).
     """
     if name == "auto":
@@ -52,17 +53,36 @@ def resolve_backend(name: str, plan: GeometryPlan, device: torch.device, dtype: 
             tuned = autotune.choose(plan, batch, device, dtype)
             if tuned is not None:
                 return get_ops(tuned)
-        if device.type == "cuda" and "cuda" in available_backends():
-            cuda_ops = get_ops("cuda")
-            if cuda_ops.unsupported_reason(plan, device, dtype, backward=backward) is None:
-                return cuda_ops
-            _warn_once_if_device_unserved(cuda_ops, device)
+        if device.type == "cuda":
+            native = _native_choice(plan, device, dtype, backward)
+            if native is not None:
+                return native
         return get_ops(torch_policy(plan, device, batch))
     ops = get_ops(name)
     reason = ops.unsupported_reason(plan, device, dtype, backward=backward)
     if reason is not None:
         raise ValueError(f"backend {name!r} cannot run this call: {reason}")
     return ops
+
+
+# The native backends auto tries on CUDA tensors, in this order: the TMA-fed Triton kernels
+# where they serve (compute capability 9.0+, channel counts multiples of 16), then the NVRTC
+# kernels (sm_80+, every layer).
+NATIVE_ORDER = ("triton", "cuda")
+
+
+def _native_choice(plan: GeometryPlan, device: torch.device, dtype: torch.dtype,
+                   backward: bool) -> KNNConvOps | None:
+    """The first native backend of NATIVE_ORDER that serves the call, or None (after warning
+    once where the cuda backend cannot run on the device at all)."""
+    for name in NATIVE_ORDER:
+        if name in available_backends():
+            ops = get_ops(name)
+            if ops.unsupported_reason(plan, device, dtype, backward=backward) is None:
+                return ops
+    if "cuda" in available_backends():
+        _warn_once_if_device_unserved(get_ops("cuda"), device)
+    return None
 
 
 # (device index, reason) pairs already warned about in this process

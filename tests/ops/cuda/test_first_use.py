@@ -1,4 +1,4 @@
-"""The first-use check's rule (knnconv.ops.cuda.first_use), on the CPU: a correctly rounded
+"""The first-use check's rule (knnconv.ops.first_use), on the CPU: a correctly rounded
 result passes at every magnitude, a broken one fails, and the user's non-finite data is never
 reported as a kernel failure."""
 
@@ -12,7 +12,7 @@ import torch
 from conftest import random_geometry
 from knnconv import get_ops
 from knnconv.ops.cuda import CudaOps
-from knnconv.ops.cuda.first_use import disagreement
+from knnconv.ops.first_use import disagreement
 
 SCALES = (1e-8, 1e-6, 1e-3, 1.0, 1e3)
 

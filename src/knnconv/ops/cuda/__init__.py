@@ -16,8 +16,8 @@ import torch
 
 from ... import context
 from ...plan import GeometryPlan, KNNConvPlan, NeighbourhoodPlan
+from ..first_use import FirstUseChecks
 from ..registry import KNNConvOps, channels_fastest, in_storage, is_channels_last
-from ..torch_compact import TorchCompactOps
 from . import channels_last, neighbourhood
 from .build import (
     MIN_COMPUTE_CAPABILITY,
@@ -35,7 +35,6 @@ from .configs import (
     default_grad_weight_config,
     default_grad_weight_ksplit,
 )
-from .first_use import all_finite, disagreement
 from .launch import (
     COMPUTE_DTYPES,
     BackwardLaunch,
@@ -102,25 +101,20 @@ def probe_device(index: int) -> str | None:
     return reason
 
 
-class CudaOps(KNNConvOps):
+class CudaOps(FirstUseChecks, KNNConvOps):
     """Registry ops backed by the native kernels.
 
     The first call of each (kernel, dtype, tile config) on a device writes into NaN-poisoned
-    outputs and is checked against the torch_compact oracle in float32 on the same operands
-    (knnconv.ops.cuda.first_use says when a result passes), and raises if they disagree;
-    later calls are not. A first call whose operands hold a NaN or inf (the user's data) is
-    not judged, and the next call is checked instead. A first use inside CUDA-graph capture
-    raises (warm up eagerly first).
+    outputs and is checked against the torch_compact oracle (knnconv.ops.first_use), and
+    raises if they disagree; later calls are not.
     """
 
     name = "cuda"
     float32_bias = True
 
     def __init__(self) -> None:
-        self._oracle = TorchCompactOps()
-        self._verified: set[tuple] = set()
+        super().__init__()
         self._device_reasons: dict[int, str | None] = {}
-        self._lock = threading.Lock()
 
     def device_reason(self, index: int) -> str | None:
         """Why the kernels cannot run on device ``index`` (CuPy, headers, NVRTC, capability)."""
@@ -166,34 +160,6 @@ class CudaOps(KNNConvOps):
         # only a depthwise weight gradient accumulates with atomics
         return self.call_reason(device, atomics=backward and plan.v is not None,
                                 alternative="torch_compact")
-
-    def _first_use(self, key: tuple) -> bool:
-        if key in self._verified:
-            return False
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"knnconv cuda kernel {key[:3]} is used for the first time inside CUDA-graph "
-                "capture; run one eager step with the same shapes before capturing"
-            )
-        return True
-
-    def _check(self, key: tuple, value: torch.Tensor, compute, *operands) -> None:
-        """Judge a first use's ``value`` by ``compute`` (the oracle's computation of it) on
-        ``operands`` widened to float32, and on their absolute values for the allowance."""
-        if not all_finite(*operands):
-            return  # nothing to judge the kernel by; a later call with finite data is checked
-        wide = [None if t is None else t.float() for t in operands]
-        reference = compute(*wide)
-        magnitude = compute(*(None if t is None else t.abs() for t in wide))
-        ratio = disagreement(value, reference, magnitude)
-        if not ratio <= 1.0:  # also catches NaN
-            raise RuntimeError(
-                f"knnconv cuda {key[0]} kernel failed its first-use check for {key}: an "
-                f"entry is {ratio:.3g} times further from the float32 reference than rounding "
-                "allows; please report this with your layer sizes"
-            )
-        with self._lock:
-            self._verified.add(key)
 
     @staticmethod
     def reverse(plan: KNNConvPlan, device: torch.device) -> ReverseTables:
@@ -306,19 +272,6 @@ class CudaOps(KNNConvOps):
                            poison=bool(first))
         self._check_gradients(plan, keys, first, grads, grad_y, x, weight)
         return grads
-
-    def _check_gradients(self, plan, keys, first, grads, grad_y, x, weight) -> None:
-        """The first-use checks of the gradient kernels named in ``first`` (roles of keys)."""
-        oracle = self._oracle
-        if "input" in first:
-            self._check(keys["input"], grads[0], lambda g, w: oracle.grad_input(plan, g, w),
-                        grad_y, weight)
-        if "weight" in first:
-            original = x.original() if isinstance(x, TransposedInput) else x
-            self._check(keys["weight"], grads[1], lambda g, xs: oracle.grad_weight(plan, g, xs),
-                        grad_y, original)
-        if "bias" in first:
-            self._check(keys["bias"], grads[2], lambda g: g.sum(dim=(0, 2)), grad_y)
 
     def _gradients_in_place(self, plan, grad_y, x, weight, needs, grad_dtypes):
         device, batch = grad_y.device, grad_y.shape[0]

@@ -1,0 +1,145 @@
+"""The ``triton`` backend: forward, dx and dW as gather-GEMMs whose operands are TMA boxes
+(knnconv.ops.triton.kernels), for Hopper and newer GPUs.
+
+It reads x and grad_y in channels-last storage, where a neighbour's rows for a batch tile are
+one box; operands in other storage are re-laid out once per call. Every output element is
+written once and dW sums fixed partials, so the backward is deterministic and this backend
+serves under ``torch.use_deterministic_algorithms(True)``. Under Triton's interpreter
+(``TRITON_INTERPRET=1``) it also runs on CPU tensors, which is how the tests check it without a
+GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ...plan import GeometryPlan, KNNConvPlan, NeighbourhoodPlan
+from ..first_use import FirstUseChecks
+from ..registry import KNNConvOps, in_storage
+from .configs import MIN_BLOCK
+from .tables import TritonTables, build_tables
+
+try:  # Triton ships with torch's CUDA builds; a CPU-only install may lack it
+    from . import launch
+    MISSING = None
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    launch, MISSING = None, f"Triton with tensor descriptors is not importable ({exc})"
+
+COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
+MIN_COMPUTE_CAPABILITY = (9, 0)  # the tensor memory accelerator
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its kernels in its CPU interpreter in this process."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class TritonOps(FirstUseChecks, KNNConvOps):
+    """Registry ops backed by the Triton TMA kernels; first uses are checked as the ``cuda``
+    backend's are (knnconv.ops.first_use)."""
+
+    name = "triton"
+    float32_bias = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._capabilities: dict[int, tuple[int, int]] = {}
+
+    def _device_reason(self, device: torch.device) -> str | None:
+        if MISSING is not None:
+            return MISSING
+        if device.type == "cpu" and interpreting():
+            return None
+        if device.type != "cuda":
+            return f"needs CUDA tensors, got {device.type}"
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._capabilities:
+            self._capabilities[index] = torch.cuda.get_device_capability(index)
+        if self._capabilities[index] < MIN_COMPUTE_CAPABILITY:
+            return (f"needs compute capability >= {MIN_COMPUTE_CAPABILITY} (the tensor memory "
+                    f"accelerator), device {index} has {self._capabilities[index]}")
+        return None
+
+    def unsupported_reason(self, plan: GeometryPlan, device: torch.device, dtype: torch.dtype,
+                           *, backward: bool = True) -> str | None:
+        reason = super().unsupported_reason(plan, device, dtype, backward=backward)
+        if reason is not None or isinstance(plan, NeighbourhoodPlan):
+            return reason
+        if dtype not in COMPUTE_DTYPES:
+            return (f"computes in float16/bfloat16, got {dtype} (use torch.autocast, or "
+                    "backend='torch_compact' / 'auto' for float32)")
+        if plan.cin % MIN_BLOCK or plan.cout % MIN_BLOCK:
+            return (f"needs channel counts that are multiples of {MIN_BLOCK} (a contraction "
+                    f"chunk), got Cin = {plan.cin}, Cout = {plan.cout}")
+        return self._device_reason(device)
+
+    @staticmethod
+    def tables(plan: KNNConvPlan, device: torch.device) -> TritonTables:
+        return plan.derived(device, "triton.tables", lambda t: build_tables(
+            t.knn_indices, t.rf_index, nin=plan.nin, v=plan.v, cin=plan.cin, cout=plan.cout))
+
+    @staticmethod
+    def _boxable(t: torch.Tensor) -> torch.Tensor:
+        """t in storage the kernels box (see launch.boxable), copied only where it is not."""
+        return t if launch.boxable(t) else in_storage(t.contiguous(), channels_last=True)
+
+    def forward(self, plan, x, weight, bias):
+        tile = launch.forward_tile(x.shape[0], plan.cin, plan.cout)
+        key = ("forward", x.dtype, tile, x.device, bias is not None)
+        first = self._first_use(key)
+        y = launch.forward(self._boxable(x), weight, bias, self.tables(plan, x.device),
+                           nout=plan.nout, v=plan.v, tile=tile, poison=first)
+        if first:
+            self._check(key, y, lambda *args: self._oracle.forward(plan, *args), x, weight, bias)
+        return y
+
+    def gradients(self, plan, grad_y, x, weight, needs, dtypes, *,
+                  dx_channels_last: bool = False):
+        need_input, need_weight, need_bias = needs
+        device, batch = grad_y.device, grad_y.shape[0]
+        grad_dtypes = tuple(torch.float32 if d is None else d for d in dtypes)
+        tables = self.tables(plan, device)
+        gy = self._boxable(grad_y)
+        keys, grads = {}, [None, None, None]
+        if need_input:
+            tile = launch.grad_input_tile(batch, plan.cin, plan.cout)
+            keys["input"] = ("grad_input", grad_y.dtype, tile, device, grad_dtypes[0])
+        if need_weight:
+            tile_w = launch.grad_weight_tile(batch, plan.cin, plan.cout)
+            splits = launch.grad_weight_splits(
+                tile_w, cin=plan.cin, cout=plan.cout, v=plan.v, entries=plan.entry_count,
+                processors=self._processors(device))
+            keys["weight"] = ("grad_weight", grad_y.dtype, tile_w, device, splits)
+        first = {role for role, key in keys.items() if self._first_use(key)}
+        if need_input:
+            grads[0] = launch.grad_input(gy, weight, tables, nin=plan.nin, v=plan.v, tile=tile,
+                                         dtype=grad_dtypes[0], poison="input" in first)
+        if need_weight:
+            grads[1] = launch.grad_weight(gy, self._boxable(x), tables, v=plan.v, tile=tile_w,
+                                          splits=splits, poison="weight" in first)
+        if need_bias:
+            grads[2] = grad_y.sum(dim=(0, 2), dtype=torch.float32)
+        self._check_gradients(plan, keys, first, grads, grad_y, x, weight)
+        grad_x = None if grads[0] is None else in_storage(grads[0], dx_channels_last)
+        grad_w = None if grads[1] is None else grads[1].to(grad_dtypes[1])
+        grad_b = None if grads[2] is None else grads[2].to(grad_dtypes[2])
+        return grad_x, grad_w, grad_b
+
+    def _processors(self, device: torch.device) -> int:
+        if device.type != "cuda":
+            return 1
+        return torch.cuda.get_device_properties(device).multi_processor_count
+
+    def grad_input(self, plan, grad_y, weight):
+        return self.gradients(plan, grad_y, None, weight, (True, False, False),
+                              (torch.float32,) * 3)[0]
+
+    def grad_weight(self, plan, grad_y, x):
+        return self.gradients(plan, grad_y, x, None, (False, True, False),
+                              (torch.float32,) * 3)[1]
+
+    def backward_combined(self, plan, grad_y, x, weight):
+        return self.gradients(plan, grad_y, x, weight, (True, True, False),
+                              (torch.float32,) * 3)[:2]

@@ -1,0 +1,99 @@
+"""The Triton kernels of the ``triton`` backend: gather-GEMMs whose operands are TMA boxes.
+
+In channels-last storage the rows a neighbour m contributes to a batch tile are one strided
+box of the 2-D view x[B, Nin*Cin] (rows b0:b0+BM, columns m*Cin + c0 : +BK): the gather index
+varies along the GEMM's contraction, never along its batch rows. So every step of every kernel
+here is two tensor-descriptor loads (TMA on Hopper, zero-filled out of bounds) and one
+``tl.dot`` (warpgroup MMA on Hopper), and no thread computes an address per row:
+
+- ``knn_forward_kernel``: y[b, n, :] = bias + sum over n's real entries (m, v) and channel
+  chunks of x[b, m, c-chunk] @ Wc[v, c-chunk, :], Wc the weight laid out by cell [V*Cin, Cout].
+- ``knn_grad_input_kernel``: dx over the reversed graph, dx[b, m, :] = sum over m's (n, v)
+  pairs of grad_y[b, n, o-chunk] @ Wr[v, o-chunk, :], Wr the weight laid out [V*Cout, Cin].
+- ``knn_grad_weight_kernel``: per kernel cell v, dW_v[c, o] = sum over v's (m, n) pairs and
+  batch chunks of x[b-chunk, m, c]^T @ grad_y[b-chunk, n, o]; a program owns its tile of one
+  split of the pair range, so no atomics: the splits' partials are summed in a fixed order.
+
+Entry tables hold element offsets (m*Cin, v*Cin, ...) so a step's box coordinates are loads,
+not products. Accumulation is float32 in every kernel; outputs are stored through masked
+pointers, so any batch and channel count past the contraction's chunking is served.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def knn_forward_kernel(x_desc, w_desc, y_ptr, bias_ptr, count_ptr, entry_x_ptr, entry_w_ptr,
+                       batch, nout, cout, k_max,
+                       HAS_BIAS: tl.constexpr, CHUNKS: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    node = tl.program_id(0)
+    b0 = tl.program_id(1) * BM
+    o0 = tl.program_id(2) * BN
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    steps = tl.load(count_ptr + node) * CHUNKS
+    for step in range(steps):
+        entry = node * k_max + step // CHUNKS
+        c0 = (step % CHUNKS) * BK
+        a = x_desc.load([b0, tl.load(entry_x_ptr + entry) + c0])
+        w = w_desc.load([tl.load(entry_w_ptr + entry) + c0, o0])
+        acc = tl.dot(a, w, acc)
+    cols = o0 + tl.arange(0, BN)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cols < cout, other=0.0).to(tl.float32)[None, :]
+    rows = b0 + tl.arange(0, BM)
+    out = y_ptr + rows[:, None].to(tl.int64) * (nout * cout) + node * cout + cols[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty),
+             mask=(rows[:, None] < batch) & (cols[None, :] < cout))
+
+
+@triton.jit
+def knn_grad_input_kernel(gy_desc, w_desc, dx_ptr, start_ptr, pair_gy_ptr, pair_w_ptr,
+                          batch, nin, cin,
+                          CHUNKS: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    node = tl.program_id(0)
+    b0 = tl.program_id(1) * BM
+    c0 = tl.program_id(2) * BN
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    first = tl.load(start_ptr + node)
+    steps = (tl.load(start_ptr + node + 1) - first) * CHUNKS
+    for step in range(steps):
+        pair = first + step // CHUNKS
+        o0 = (step % CHUNKS) * BK
+        g = gy_desc.load([b0, tl.load(pair_gy_ptr + pair) + o0])
+        w = w_desc.load([tl.load(pair_w_ptr + pair) + o0, c0])
+        acc = tl.dot(g, w, acc)
+    rows = b0 + tl.arange(0, BM)
+    cols = c0 + tl.arange(0, BN)
+    out = dx_ptr + rows[:, None].to(tl.int64) * (nin * cin) + node * cin + cols[None, :]
+    tl.store(out, acc.to(dx_ptr.dtype.element_ty),
+             mask=(rows[:, None] < batch) & (cols[None, :] < cin))
+
+
+@triton.jit
+def knn_grad_weight_kernel(x_desc, gy_desc, partial_ptr, start_ptr, pair_x_ptr, pair_gy_ptr,
+                           batch, cin, cout, cells, splits, batch_chunks,
+                           BM: tl.constexpr, BN: tl.constexpr, BB: tl.constexpr):
+    cell = tl.program_id(0) % cells
+    split = tl.program_id(0) // cells
+    c0 = tl.program_id(1) * BM
+    o0 = tl.program_id(2) * BN
+    first = tl.load(start_ptr + cell)
+    pairs = tl.load(start_ptr + cell + 1) - first
+    lo = first + (pairs * split) // splits
+    hi = first + (pairs * (split + 1)) // splits
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for step in range((hi - lo) * batch_chunks):
+        pair = lo + step // batch_chunks
+        b0 = (step % batch_chunks) * BB
+        a = x_desc.load([b0, tl.load(pair_x_ptr + pair) + c0])
+        g = gy_desc.load([b0, tl.load(pair_gy_ptr + pair) + o0])
+        acc = tl.dot(tl.trans(a), g, acc)
+    rows = c0 + tl.arange(0, BM)
+    cols = o0 + tl.arange(0, BN)
+    out = partial_ptr + ((split * cells + cell) * cin + rows[:, None]) * cout + cols[None, :]
+    tl.store(out, acc, mask=(rows[:, None] < cin) & (cols[None, :] < cout))

@@ -1,0 +1,132 @@
+"""Launches of the ``triton`` backend's kernels (knnconv.ops.triton.kernels): the tiles, the
+tensor descriptors, the grids and the outputs of one call. Operands arrive in the storage the
+kernels read (see :func:`boxable`); the weight is laid out by cell here, once per call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .configs import TileConfig, tile_config
+from .kernels import knn_forward_kernel, knn_grad_input_kernel, knn_grad_weight_kernel
+from .tables import TritonTables
+
+TMA_ALIGNMENT = 16  # bytes: a tensor map's base address and row strides
+# grad_weight splits its pair ranges until the grid holds this many programs per SM (or each
+# split would get fewer than MIN_PAIRS_PER_SPLIT pairs)
+PROGRAMS_PER_SM = 2
+MIN_PAIRS_PER_SPLIT = 8
+
+
+def boxable(t: torch.Tensor) -> bool:
+    """Whether [B, C, N] t can be read as the 2-D view [B, N*C] of tensor maps: channels-last
+    storage (any batch stride) with a 16-byte aligned base and batch stride."""
+    batch, channels, nodes = t.shape
+    element = t.element_size()
+    return ((channels == 1 or t.stride(1) == 1) and (nodes == 1 or t.stride(2) == channels)
+            and t.data_ptr() % TMA_ALIGNMENT == 0
+            and (batch == 1 or t.stride(0) * element % TMA_ALIGNMENT == 0))
+
+
+def _rows(t: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:
+    """The tensor map of [B, C, N] channels-last t as [B, N*C], in boxes of ``block``."""
+    batch, channels, nodes = t.shape
+    stride = t.stride(0) if batch > 1 else nodes * channels
+    return TensorDescriptor(t, [batch, nodes * channels], [stride, 1], list(block))
+
+
+def _poisoned_or_empty(shape, dtype, device, poison: bool) -> torch.Tensor:
+    if poison:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def forward_tile(batch: int, cin: int, cout: int) -> TileConfig:
+    return tile_config("forward", batch=batch, n=cout, contracted_channels=cin)
+
+
+def grad_input_tile(batch: int, cin: int, cout: int) -> TileConfig:
+    return tile_config("grad_input", batch=batch, n=cin, contracted_channels=cout)
+
+
+def grad_weight_tile(batch: int, cin: int, cout: int) -> TileConfig:
+    return tile_config("grad_weight", batch=batch, n=cout, rows=cin)
+
+
+def grad_weight_splits(tile: TileConfig, *, cin: int, cout: int, v: int, entries: int,
+                       processors: int) -> int:
+    """How many slices each cell's pair range is split into: enough for PROGRAMS_PER_SM
+    programs per SM, none with fewer than MIN_PAIRS_PER_SPLIT pairs (on average)."""
+    tiles = v * math.ceil(cin / tile.block_m) * math.ceil(cout / tile.block_n)
+    wanted = math.ceil(PROGRAMS_PER_SM * processors / tiles)
+    return max(1, min(wanted, entries // (v * MIN_PAIRS_PER_SPLIT)))
+
+
+def weight_by_cell(weight: torch.Tensor, cin: int, v: int, *, reverse: bool) -> torch.Tensor:
+    """weight [Cout, Cin*V] laid out by cell: [V*Cin, Cout] (wc[v*Cin + c, o] = W[o, c*V + v])
+    for the forward, or [V*Cout, Cin] (wr[v*Cout + o, c]) for dx when ``reverse``."""
+    cout = weight.shape[0]
+    cells = weight.view(cout, cin, v).permute(2, 0, 1) if reverse else weight.view(
+        cout, cin, v).permute(2, 1, 0)
+    return cells.contiguous().view(-1, cin if reverse else cout)
+
+
+def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            tables: TritonTables, *, nout: int, v: int, tile: TileConfig,
+            poison: bool = False) -> torch.Tensor:
+    """y [B, Cout, Nout] in x's dtype, the view of a contiguous [B, Nout, Cout] buffer; x
+    [B, Cin, Nin] must be :func:`boxable`; bias (any float dtype) is added in float32."""
+    batch, cin, _ = x.shape
+    cout = weight.shape[0]
+    cells = weight_by_cell(weight, cin, v, reverse=False)
+    y = _poisoned_or_empty((batch, nout, cout), x.dtype, x.device, poison)
+    grid = (nout, triton.cdiv(batch, tile.block_m), triton.cdiv(cout, tile.block_n))
+    knn_forward_kernel[grid](
+        _rows(x, (tile.block_m, tile.block_k)),
+        TensorDescriptor.from_tensor(cells, [tile.block_k, tile.block_n]),
+        y, y if bias is None else bias, tables.count, tables.entry_x, tables.entry_w,
+        batch, nout, cout, tables.entry_x.shape[1],
+        HAS_BIAS=bias is not None, CHUNKS=cin // tile.block_k, BM=tile.block_m,
+        BN=tile.block_n, BK=tile.block_k, num_warps=tile.warps, num_stages=tile.stages)
+    return y.transpose(1, 2)
+
+
+def grad_input(grad_y: torch.Tensor, weight: torch.Tensor, tables: TritonTables, *, nin: int,
+               v: int, tile: TileConfig, dtype: torch.dtype,
+               poison: bool = False) -> torch.Tensor:
+    """dx [B, Cin, Nin] in ``dtype``, the view of a contiguous [B, Nin, Cin] buffer; grad_y
+    [B, Cout, Nout] must be :func:`boxable`."""
+    batch, cout, _ = grad_y.shape
+    cin = weight.shape[1] // v
+    cells = weight_by_cell(weight, cin, v, reverse=True)
+    dx = _poisoned_or_empty((batch, nin, cin), dtype, grad_y.device, poison)
+    grid = (nin, triton.cdiv(batch, tile.block_m), triton.cdiv(cin, tile.block_n))
+    knn_grad_input_kernel[grid](
+        _rows(grad_y, (tile.block_m, tile.block_k)),
+        TensorDescriptor.from_tensor(cells, [tile.block_k, tile.block_n]),
+        dx, tables.pair_start, tables.pair_gy, tables.pair_w, batch, nin, cin,
+        CHUNKS=cout // tile.block_k, BM=tile.block_m, BN=tile.block_n, BK=tile.block_k,
+        num_warps=tile.warps, num_stages=tile.stages)
+    return dx.transpose(1, 2)
+
+
+def grad_weight(grad_y: torch.Tensor, x: torch.Tensor, tables: TritonTables, *, v: int,
+                tile: TileConfig, splits: int, poison: bool = False) -> torch.Tensor:
+    """dW [Cout, Cin*V] in float32, deterministic: each split of each cell's pairs writes its
+    own partial tile, and the partials are summed in a fixed order. x [B, Cin, Nin] and grad_y
+    [B, Cout, Nout] must be :func:`boxable`."""
+    batch, cin, _ = x.shape
+    cout = grad_y.shape[1]
+    partial = _poisoned_or_empty((splits, v, cin, cout), torch.float32, x.device, poison)
+    grid = (v * splits, triton.cdiv(cin, tile.block_m), triton.cdiv(cout, tile.block_n))
+    knn_grad_weight_kernel[grid](
+        _rows(x, (tile.block_k, tile.block_m)), _rows(grad_y, (tile.block_k, tile.block_n)),
+        partial, tables.cell_start, tables.cell_x, tables.cell_gy, batch, cin, cout, v,
+        splits, triton.cdiv(batch, tile.block_k), BM=tile.block_m,
+        BN=tile.block_n, BB=tile.block_k, num_warps=tile.warps, num_stages=tile.stages)
+    by_cell = partial[0] if splits == 1 else partial.sum(dim=0)
+    return by_cell.permute(2, 1, 0).reshape(cout, cin * v)

@@ -1,0 +1,63 @@
+"""The ``triton`` backend's index tables of one layer, built once per device from a plan.
+
+Each table holds element offsets into the 2-D views its kernel loads boxes from (x as
+[B, Nin*Cin], grad_y as [B, Nout*Cout], the weight by cell as [V*Cin, Cout] or [V*Cout, Cin]),
+so a kernel step reads its box coordinates instead of multiplying them out. Padding neighbours
+are left out of every table: no kernel spends a step on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TritonTables:
+    """forward: node n's real entries are entry_x[n, :count[n]] (m*Cin) and entry_w (v*Cin),
+    padding after them. grad_input: input node m's (output node, cell) pairs are
+    [pair_start[m], pair_start[m+1]) of pair_gy (n*Cout) and pair_w (v*Cout). grad_weight: cell
+    v's (input node, output node) pairs are [cell_start[v], cell_start[v+1]) of cell_x (m*Cin)
+    and cell_gy (n*Cout). All int32."""
+
+    count: torch.Tensor  # [Nout]
+    entry_x: torch.Tensor  # [Nout, K]
+    entry_w: torch.Tensor  # [Nout, K]
+    pair_start: torch.Tensor  # [Nin + 1]
+    pair_gy: torch.Tensor  # [entries]
+    pair_w: torch.Tensor  # [entries]
+    cell_start: torch.Tensor  # [V + 1]
+    cell_x: torch.Tensor  # [entries]
+    cell_gy: torch.Tensor  # [entries]
+
+
+def _starts(keys: torch.Tensor, groups: int) -> torch.Tensor:
+    """CSR offsets [groups + 1] of sorted ``keys`` in [0, groups)."""
+    starts = torch.zeros(groups + 1, dtype=torch.int64, device=keys.device)
+    starts[1:] = torch.cumsum(torch.bincount(keys, minlength=groups), 0)
+    return starts.int()
+
+
+def build_tables(knn_indices: torch.Tensor, rf_index: torch.Tensor, *, nin: int, v: int,
+                 cin: int, cout: int) -> TritonTables:
+    """The tables of a layer (knn_indices [K, Nout], rf_index [Nout, K]), on their device."""
+    neighbours = knn_indices.t().to(torch.int64)  # [Nout, K]
+    cells = rf_index.to(torch.int64)
+    nout, _ = neighbours.shape
+    padding = neighbours == nin
+    real_first = torch.argsort(padding.to(torch.int8), dim=1, stable=True)
+    entry_x = torch.gather(neighbours, 1, real_first) * cin
+    entry_w = torch.gather(cells, 1, real_first) * cin
+    real = ~padding
+    nodes = torch.arange(nout, device=neighbours.device).unsqueeze(1).expand_as(neighbours)
+    m, n, cell = neighbours[real], nodes[real], cells[real]  # node-major order
+    by_input = torch.argsort(m, stable=True)
+    by_cell = torch.argsort(cell, stable=True)
+    return TritonTables(
+        count=real.sum(dim=1).int(), entry_x=entry_x.int().contiguous(),
+        entry_w=entry_w.int().contiguous(),
+        pair_start=_starts(m, nin), pair_gy=(n[by_input] * cout).int().contiguous(),
+        pair_w=(cell[by_input] * cout).int().contiguous(),
+        cell_start=_starts(cell, v), cell_x=(m[by_cell] * cin).int().contiguous(),
+        cell_gy=(n[by_cell] * cout).int().contiguous())

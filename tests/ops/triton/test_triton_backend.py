@@ -1,0 +1,185 @@
+"""The triton backend (knnconv.ops.triton) without a GPU: its kernels in Triton's CPU
+interpreter (tests/conftest.py sets TRITON_INTERPRET=1 where no GPU is seen), every output
+against the float64 oracle at odd sizes, with padding, bin collisions and all-padding nodes,
+outputs NaN-poisoned before the kernels run; its tables, tiles and refusals.
+
+The interpreter computes float16 dots correctly but not bfloat16 ones (Triton 3.9's interpreter
+turns bfloat16 dot operands into garbage), so bfloat16 is checked on the GPU only
+(tests/ops/triton/test_triton_gpu.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import knnconv
+from conftest import oracle_knn_conv, random_geometry, rel_err, with_all_padding_node
+from knnconv.ops import get_ops
+from knnconv.ops.triton import backend, configs
+
+if backend.launch is None:
+    pytest.skip(f"triton backend unavailable: {backend.MISSING}", allow_module_level=True)
+if torch.cuda.is_available():
+    pytest.skip("the GPU runs tests/ops/triton/test_triton_gpu.py", allow_module_level=True)
+
+from knnconv.ops.triton import launch  # noqa: E402
+
+TOLERANCE = 2e-3  # fp16 operands and outputs, fp32 accumulation
+CPU = torch.device("cpu")
+
+CASES = {  # name: (batch, cin, cout, geometry knobs)
+    "b1_plain": (1, 16, 16, {}),
+    "b17_padding": (17, 32, 48, {"padding": 0.3}),
+    "b17_collisions": (17, 16, 80, {"collisions": True, "padding": 0.1}),
+    "b3_v_gt_k": (3, 48, 16, {"k": 4, "v": 25}),
+    "b5_nout1": (5, 16, 32, {"nout": 1, "k": 5}),
+    "b2_mostly_padding": (2, 16, 16, {"padding": 0.8}),
+}
+
+
+def make_case(seed: int, batch: int, cin: int, cout: int, *, all_padding_node: bool = True,
+              **knobs):
+    generator = torch.Generator().manual_seed(seed)
+    geometry = random_geometry(generator, **knobs)
+    knn = with_all_padding_node(geometry) if all_padding_node else geometry.knn_indices
+    geometry = type(geometry)(knn, geometry.rf_index, geometry.nin, geometry.v)
+    plan = geometry.plan(cin, cout)
+
+    def normal(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    return geometry, plan, (normal(batch, cin, plan.nin), normal(cout, plan.q), normal(cout),
+                            normal(batch, cout, plan.nout))
+
+
+def channels_last(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_output_against_float64_with_poisoned_outputs(name):
+    batch, cin, cout, knobs = CASES[name]
+    geometry, plan, (x, w, b, gy) = make_case(len(name), batch, cin, cout, **knobs)
+    xh, wh, bh, gyh = (channels_last(x.half()), w.half(), b.half(), channels_last(gy.half()))
+    tables = get_ops("triton").tables(plan, CPU)
+    y = launch.forward(xh, wh, bh, tables, nout=plan.nout, v=plan.v,
+                       tile=launch.forward_tile(batch, cin, cout), poison=True)
+    dx = launch.grad_input(gyh, wh, tables, nin=plan.nin, v=plan.v,
+                           tile=launch.grad_input_tile(batch, cin, cout), dtype=torch.float16,
+                           poison=True)
+    tile_w = launch.grad_weight_tile(batch, cin, cout)
+    dw = launch.grad_weight(gyh, xh, tables, v=plan.v, tile=tile_w, splits=3, poison=True)
+
+    x64, w64, b64 = (t.half().double().requires_grad_() for t in (x, w, b))
+    y64 = oracle_knn_conv(x64, w64, b64, geometry)
+    y64.backward(gy.half().double())
+    # a layer whose only node is all padding reads no input: dx and dW are zeros
+    grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in (x64, w64)]
+    for label, got, want in (("y", y, y64), ("dx", dx, grads[0]), ("dw", dw, grads[1])):
+        assert got.shape == want.shape, label
+        assert rel_err(got, want) < TOLERANCE, label
+    assert y.transpose(1, 2).is_contiguous() and dx.transpose(1, 2).is_contiguous()
+    assert dw.dtype == torch.float32
+
+
+def test_the_weight_gradient_is_the_same_however_the_pairs_are_split():
+    _, plan, (x, w, _, gy) = make_case(7, 9, 16, 32, padding=0.2)
+    xh, gyh = channels_last(x.half()), channels_last(gy.half())
+    tables = get_ops("triton").tables(plan, CPU)
+    tile = launch.grad_weight_tile(9, 16, 32)
+    results = [launch.grad_weight(gyh, xh, tables, v=plan.v, tile=tile, splits=s, poison=True)
+               for s in (1, 2, 5)]
+    for other in results[1:]:
+        assert rel_err(other, results[0]) < 1e-6
+
+
+@pytest.mark.parametrize("storage", ["channels_last", "contiguous"])
+def test_training_through_knn_conv_in_either_storage(storage):
+    geometry, plan, (x, w, b, gy) = make_case(11, 17, 32, 16, padding=0.3)
+    xh = x.half() if storage == "contiguous" else channels_last(x.half())
+    xh.requires_grad_()
+    wh, bh = w.half().requires_grad_(), b.float().requires_grad_()
+    knnconv.get_ops("triton")._verified.clear()  # every kernel's first-use check runs
+    y, ran = knnconv.knn_conv_with_backend(xh, wh, bh.half(), plan, "triton")
+    y.backward(gy.half())
+    assert ran == "triton"
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (xh, wh, bh.half()))
+    y64 = oracle_knn_conv(x64, w64, b64, geometry)
+    y64.backward(gy.half().double())
+    assert rel_err(y, y64) < TOLERANCE
+    assert rel_err(xh.grad, x64.grad) < TOLERANCE and rel_err(wh.grad, w64.grad) < TOLERANCE
+    assert xh.grad.stride() == xh.stride(), "dx comes back in x's storage"
+
+
+def test_tables_hold_every_real_entry_once_and_no_padding():
+    generator = torch.Generator().manual_seed(3)
+    geometry = random_geometry(generator, nin=11, nout=6, k=5, v=7, padding=0.3)
+    plan = geometry.plan(16, 32)
+    t = get_ops("triton").tables(plan, CPU)
+    knn, rf = geometry.knn_indices, geometry.rf_index
+    expected = sorted((int(knn[k, n]), n, int(rf[n, k])) for n in range(plan.nout)
+                      for k in range(plan.k) if knn[k, n] != plan.nin)
+    forward = sorted((int(t.entry_x[n, j]) // 16, n, int(t.entry_w[n, j]) // 16)
+                     for n in range(plan.nout) for j in range(int(t.count[n])))
+    by_input = sorted((m, int(t.pair_gy[e]) // 32, int(t.pair_w[e]) // 32)
+                      for m in range(plan.nin)
+                      for e in range(int(t.pair_start[m]), int(t.pair_start[m + 1])))
+    by_cell = sorted((int(t.cell_x[e]) // 16, int(t.cell_gy[e]) // 32, v)
+                     for v in range(plan.v)
+                     for e in range(int(t.cell_start[v]), int(t.cell_start[v + 1])))
+    assert forward == by_input == by_cell == expected
+    assert int(t.pair_start[-1]) == int(t.cell_start[-1]) == plan.entry_count
+
+
+def test_tiles_fit_the_layer():
+    assert configs.tile_config("forward", batch=4, n=16, contracted_channels=48).block_k == 16
+    assert configs.tile_config("forward", batch=4, n=16, contracted_channels=96).block_k == 32
+    assert configs.tile_config("forward", batch=512, n=40, contracted_channels=64).block_n == 64
+    assert configs.tile_config("grad_weight", batch=512, n=64, rows=16).block_m == 16
+    with pytest.raises(ValueError, match="multiple of 16"):
+        configs.tile_config("forward", batch=4, n=16, contracted_channels=24)
+    for family, rules in configs.rules().items():
+        assert rules and not rules[-1][0], family
+
+
+def test_bad_tiles_are_refused():
+    with pytest.raises(ValueError, match="power of two"):
+        configs.TileConfig(block_m=48, block_n=64, block_k=64, warps=4, stages=3)
+    with pytest.raises(ValueError, match="warps"):
+        configs.TileConfig(block_m=64, block_n=64, block_k=64, warps=2, stages=3)
+
+
+def test_splits_fill_the_processors_but_keep_pairs_per_split():
+    tile = configs.TileConfig(64, 64, 64, 4, 3)
+    assert launch.grad_weight_splits(tile, cin=64, cout=64, v=9, entries=9 * 1000,
+                                     processors=132) == 30
+    assert launch.grad_weight_splits(tile, cin=64, cout=64, v=9, entries=9 * 16,
+                                     processors=132) == 2
+    assert launch.grad_weight_splits(tile, cin=256, cout=256, v=49, entries=49 * 1000,
+                                     processors=132) == 1
+
+
+@pytest.mark.parametrize("dtype, cin, cout, match", [
+    (torch.float32, 16, 16, "float16/bfloat16"),
+    (torch.float16, 24, 16, "multiples of 16"),
+    (torch.float16, 16, 8, "multiples of 16"),
+])
+def test_calls_it_cannot_serve_are_refused_by_name(dtype, cin, cout, match):
+    _, plan, (x, w, b, _) = make_case(1, 2, cin, cout)
+    with pytest.raises(ValueError, match=match):
+        knnconv.knn_conv(x.to(dtype), w.to(dtype), b.to(dtype), plan, backend="triton")
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    _, plan, _ = make_case(1, 2, 16, 16)
+    ops = get_ops("triton")
+    assert ops.unsupported_reason(plan, CPU, torch.float16) is None
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "needs CUDA tensors" in ops.unsupported_reason(plan, CPU, torch.float16)
+
+
+def test_auto_never_takes_it_on_the_cpu():
+    _, plan, (x, w, b, _) = make_case(1, 2, 16, 16)
+    _, ran = knnconv.knn_conv_with_backend(x.half(), w.half(), b.half(), plan, "auto")
+    assert ran != "triton"

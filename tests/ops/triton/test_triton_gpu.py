@@ -1,0 +1,120 @@
+"""The triton backend's TMA kernels on a GPU (marker: gpu; compute capability 9.0+): every
+output against the float64 oracle on fresh random inputs, outputs NaN-poisoned before the
+kernels run, in float16 and bfloat16, at odd sizes (B = 1, 17, 129; Cout not a multiple of
+64; Nout = 1), with padding, bin collisions and all-padding nodes; bit-identical weight
+gradients from run to run; the training path under autocast and deterministic algorithms.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import knnconv
+from conftest import oracle_knn_conv, random_geometry, rel_err, with_all_padding_node
+from knnconv.ops import get_ops
+from knnconv.ops.triton import backend
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+if backend.launch is None:
+    pytest.skip(f"triton backend unavailable: {backend.MISSING}", allow_module_level=True)
+if torch.cuda.get_device_capability() < backend.MIN_COMPUTE_CAPABILITY:
+    pytest.skip("the TMA kernels need compute capability 9.0+", allow_module_level=True)
+
+from knnconv.ops.triton import launch  # noqa: E402
+
+DEVICE = torch.device("cuda")
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+CASES = {  # name: (batch, cin, cout, geometry knobs)
+    "b1": (1, 16, 16, {"nin": 40, "nout": 20, "k": 9, "padding": 0.2}),
+    "b17_cout80": (17, 32, 80, {"nin": 60, "nout": 30, "k": 7, "padding": 0.3}),
+    "b129_cout144": (129, 64, 144, {"nin": 50, "nout": 25, "k": 9, "v": 12,
+                                    "collisions": True, "padding": 0.1}),
+    "b129_cin96": (129, 96, 48, {"nin": 70, "nout": 33, "k": 5, "v": 25}),
+    "b17_nout1": (17, 16, 32, {"nout": 1, "k": 5}),
+    "b300_wide": (300, 256, 256, {"nin": 90, "nout": 40, "k": 9, "padding": 0.2}),
+}
+
+
+def make_case(seed, batch, cin, cout, dtype, **knobs):
+    generator = torch.Generator().manual_seed(seed)
+    geometry = random_geometry(generator, **knobs)
+    if geometry.nout > 1:
+        knn = with_all_padding_node(geometry)
+        geometry = type(geometry)(knn, geometry.rf_index, geometry.nin, geometry.v)
+    plan = geometry.plan(cin, cout)
+
+    def normal(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    x, w, b, gy = (normal(batch, cin, plan.nin), normal(cout, plan.q), normal(cout),
+                   normal(batch, cout, plan.nout))
+    return geometry, plan, [t.to(dtype) for t in (x, w, b, gy)]
+
+
+def channels_last(t):
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_output_against_float64_with_poisoned_outputs(name, dtype):
+    batch, cin, cout, knobs = CASES[name]
+    geometry, plan, (x, w, b, gy) = make_case(len(name) + batch, batch, cin, cout, dtype,
+                                              **knobs)
+    xg, gyg = channels_last(x.to(DEVICE)), channels_last(gy.to(DEVICE))
+    wg, bg = w.to(DEVICE), b.to(DEVICE)
+    tables = get_ops("triton").tables(plan, DEVICE)
+    y = launch.forward(xg, wg, bg, tables, nout=plan.nout, v=plan.v,
+                       tile=launch.forward_tile(batch, cin, cout), poison=True)
+    dx = launch.grad_input(gyg, wg, tables, nin=plan.nin, v=plan.v,
+                           tile=launch.grad_input_tile(batch, cin, cout), dtype=dtype,
+                           poison=True)
+    tile_w = launch.grad_weight_tile(batch, cin, cout)
+    dw = launch.grad_weight(gyg, xg, tables, v=plan.v, tile=tile_w, splits=3, poison=True)
+    x64, w64, b64 = (t.double().requires_grad_() for t in (x, w, b))
+    y64 = oracle_knn_conv(x64, w64, b64, geometry)
+    y64.backward(gy.double())
+    grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in (x64, w64)]
+    for label, got, want in (("y", y, y64), ("dx", dx, grads[0]), ("dw", dw, grads[1])):
+        assert not torch.isnan(got).any(), f"{label}: an output was never written"
+        assert rel_err(got, want) < TOLERANCE[dtype], label
+
+
+def test_weight_gradients_are_bit_identical_from_run_to_run():
+    _, plan, (x, w, b, gy) = make_case(5, 512, 64, 64, torch.float16, nin=400, nout=200, k=9,
+                                       padding=0.1)
+    xg, gyg = channels_last(x.to(DEVICE)), channels_last(gy.to(DEVICE))
+    tables = get_ops("triton").tables(plan, DEVICE)
+    tile = launch.grad_weight_tile(512, 64, 64)
+    runs = [launch.grad_weight(gyg, xg, tables, v=plan.v, tile=tile, splits=7)
+            for _ in range(5)]
+    for other in runs[1:]:
+        assert torch.equal(other, runs[0])
+
+
+@pytest.mark.parametrize("storage", ["channels_last", "contiguous"])
+def test_a_layer_trains_on_it_under_autocast_and_deterministic_algorithms(storage):
+    geometry, plan, (x, w, b, gy) = make_case(9, 33, 32, 48, torch.float32, nin=80, nout=40,
+                                              k=7, padding=0.2)
+    xg = x.to(DEVICE) if storage == "contiguous" else channels_last(x.to(DEVICE))
+    xg.requires_grad_()
+    wg, bg = w.to(DEVICE).requires_grad_(), b.to(DEVICE).requires_grad_()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with torch.autocast("cuda", dtype=torch.float16):
+            y, ran = knnconv.knn_conv_with_backend(xg, wg, bg, plan, "auto")
+        y.float().backward(gy.to(DEVICE))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert ran == "triton"
+    assert wg.grad.dtype == torch.float32 and xg.grad.stride() == xg.stride()
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (xg, wg, bg))
+    y64 = oracle_knn_conv(x64.half().double(), w64.half().double(), b64, geometry)
+    y64.backward(gy.double().to(DEVICE))
+    assert rel_err(y, y64) < 2e-3
+    assert rel_err(xg.grad, x64.grad) < 2e-3 and rel_err(wg.grad, w64.grad) < 2e-3
+    assert rel_err(bg.grad, b64.grad) < 2e-3
