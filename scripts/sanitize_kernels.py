@@ -1,6 +1,6 @@
-"""Run every kernel family (the convolution's and the pooling / depthwise ones) once per edge
-shape, for compute-sanitizer (memcheck, racecheck, initcheck, synccheck). Exits non-zero if
-any result disagrees with the float64 reference.
+"""Run every kernel family (the convolution's of the cuda and triton backends, and the
+pooling / depthwise ones) once per edge shape, for compute-sanitizer (memcheck, racecheck,
+initcheck, synccheck). Exits non-zero if any result disagrees with the float64 reference.
 
     compute-sanitizer --tool memcheck python scripts/sanitize_kernels.py
 """
@@ -82,6 +82,31 @@ def run_case(batch, cin, cout, nin, nout, k, v, padding, dtype, generator) -> fl
                    (weight_image.grad, dw_ref))])
 
 
+def run_triton_case(batch, cin, cout, nin, nout, k, v, padding, dtype, generator) -> float:
+    """The triton backend's TMA kernels (forward, dx, dW) on one shape, where they serve, with
+    x in channels-last storage and contiguous; 0 where they do not."""
+    knn, rf = random_tables(nin, nout, k, v, padding, generator)
+    plan = knnconv.make_plan(knn, rf, nin=nin, v=v, cin=cin, cout=cout)
+    if knnconv.get_ops("triton").unsupported_reason(plan, torch.device("cuda"), dtype):
+        return 0.0
+    x = torch.randn(batch, cin, nin, generator=generator).to("cuda", dtype)
+    weight = torch.randn(cout, plan.q, generator=generator).to("cuda", dtype)
+    grad_y = torch.randn(batch, cout, nout, generator=generator).to("cuda", dtype)
+    reference = knnconv.get_ops("reference")
+    y_ref = reference.forward(plan, x.double(), weight.double(), None)
+    dx_ref, dw_ref = reference.backward_combined(plan, grad_y.double(), x.double(),
+                                                 weight.double())
+    errors = []
+    for leaf in (x.clone(), x.transpose(1, 2).contiguous().transpose(1, 2)):
+        leaf.requires_grad_()
+        w = weight.clone().requires_grad_()
+        y = knnconv.knn_conv(leaf, w, None, plan, "triton")
+        y.backward(grad_y)
+        errors += [relative_error(a, b) for a, b in ((y.detach(), y_ref), (leaf.grad, dx_ref),
+                                                      (w.grad, dw_ref))]
+    return worst(errors)
+
+
 def run_neighbourhood_case(batch, cin, cout, nin, nout, k, v, padding, dtype,
                            generator) -> float:
     """The pooling (every mode) and depthwise kernels, forward and backward, on one shape."""
@@ -113,6 +138,7 @@ def main() -> int:
     for dtype in (torch.float16, torch.bfloat16):
         for shape in EDGE_SHAPES:
             errors.append(worst([run_case(*shape, dtype, generator),
+                                 run_triton_case(*shape, dtype, generator),
                                  run_neighbourhood_case(*shape, dtype, generator)]))
             print(f"{str(dtype):15} {shape}: max relative error {errors[-1]:.2e}")
     torch.cuda.synchronize()

@@ -6,13 +6,16 @@ varies along the GEMM's contraction, never along its batch rows. So every step o
 here is two tensor-descriptor loads (TMA on Hopper, zero-filled out of bounds) and one
 ``tl.dot`` (warpgroup MMA on Hopper), and no thread computes an address per row:
 
-- ``knn_forward_kernel``: y[b, n, :] = bias + sum over n's real entries (m, v) and channel
-  chunks of x[b, m, c-chunk] @ Wc[v, c-chunk, :], Wc the weight laid out by cell [V*Cin, Cout].
-- ``knn_grad_input_kernel``: dx over the reversed graph, dx[b, m, :] = sum over m's (n, v)
-  pairs of grad_y[b, n, o-chunk] @ Wr[v, o-chunk, :], Wr the weight laid out [V*Cout, Cin].
-- ``knn_grad_weight_kernel``: per kernel cell v, dW_v[c, o] = sum over v's (m, n) pairs and
-  batch chunks of x[b-chunk, m, c]^T @ grad_y[b-chunk, n, o]; a program owns its tile of one
-  split of the pair range, so no atomics: the splits' partials are summed in a fixed order.
+- ``knn_conv_forward_kernel``: y[b, n, :] = bias + sum over n's real entries (m, v) and
+  channel chunks of x[b, m, c-chunk] @ Wc[v, c-chunk, :], Wc the weight laid out by cell
+  [V*Cin, Cout].
+- ``knn_conv_grad_input_kernel``: dx over the reversed graph, dx[b, m, :] = sum over m's
+  (n, v) pairs of grad_y[b, n, o-chunk] @ Wr[v, o-chunk, :], Wr the weight laid out
+  [V*Cout, Cin].
+- ``knn_conv_grad_weight_kernel``: per kernel cell v, dW_v[c, o] = sum over v's (m, n) pairs
+  and batch chunks of x[b-chunk, m, c]^T @ grad_y[b-chunk, n, o]; a program owns its tile of
+  one split of the pair range, so no atomics: the splits' partials are summed in a fixed
+  order.
 
 Entry tables hold element offsets (m*Cin, v*Cin, ...) so a step's box coordinates are loads,
 not products. Accumulation is float32 in every kernel; outputs are stored through masked
@@ -26,7 +29,7 @@ import triton.language as tl
 
 
 @triton.jit
-def knn_forward_kernel(x_desc, w_desc, y_ptr, bias_ptr, count_ptr, entry_x_ptr, entry_w_ptr,
+def knn_conv_forward_kernel(x_desc, w_desc, y_ptr, bias_ptr, count_ptr, entry_x_ptr, entry_w_ptr,
                        batch, nout, cout, k_max,
                        HAS_BIAS: tl.constexpr, CHUNKS: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -51,7 +54,7 @@ def knn_forward_kernel(x_desc, w_desc, y_ptr, bias_ptr, count_ptr, entry_x_ptr, 
 
 
 @triton.jit
-def knn_grad_input_kernel(gy_desc, w_desc, dx_ptr, start_ptr, pair_gy_ptr, pair_w_ptr,
+def knn_conv_grad_input_kernel(gy_desc, w_desc, dx_ptr, start_ptr, pair_gy_ptr, pair_w_ptr,
                           batch, nin, cin,
                           CHUNKS: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -75,7 +78,7 @@ def knn_grad_input_kernel(gy_desc, w_desc, dx_ptr, start_ptr, pair_gy_ptr, pair_
 
 
 @triton.jit
-def knn_grad_weight_kernel(x_desc, gy_desc, partial_ptr, start_ptr, pair_x_ptr, pair_gy_ptr,
+def knn_conv_grad_weight_kernel(x_desc, gy_desc, partial_ptr, start_ptr, pair_x_ptr, pair_gy_ptr,
                            batch, cin, cout, cells, splits, batch_chunks,
                            BM: tl.constexpr, BN: tl.constexpr, BB: tl.constexpr):
     cell = tl.program_id(0) % cells

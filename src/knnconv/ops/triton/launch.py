@@ -12,7 +12,11 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .configs import TileConfig, tile_config
-from .kernels import knn_forward_kernel, knn_grad_input_kernel, knn_grad_weight_kernel
+from .kernels import (
+    knn_conv_forward_kernel,
+    knn_conv_grad_input_kernel,
+    knn_conv_grad_weight_kernel,
+)
 from .tables import TritonTables
 
 TMA_ALIGNMENT = 16  # bytes: a tensor map's base address and row strides
@@ -85,7 +89,7 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     cells = weight_by_cell(weight, cin, v, reverse=False)
     y = _poisoned_or_empty((batch, nout, cout), x.dtype, x.device, poison)
     grid = (nout, triton.cdiv(batch, tile.block_m), triton.cdiv(cout, tile.block_n))
-    knn_forward_kernel[grid](
+    knn_conv_forward_kernel[grid](
         _rows(x, (tile.block_m, tile.block_k)),
         TensorDescriptor.from_tensor(cells, [tile.block_k, tile.block_n]),
         y, y if bias is None else bias, tables.count, tables.entry_x, tables.entry_w,
@@ -105,7 +109,7 @@ def grad_input(grad_y: torch.Tensor, weight: torch.Tensor, tables: TritonTables,
     cells = weight_by_cell(weight, cin, v, reverse=True)
     dx = _poisoned_or_empty((batch, nin, cin), dtype, grad_y.device, poison)
     grid = (nin, triton.cdiv(batch, tile.block_m), triton.cdiv(cin, tile.block_n))
-    knn_grad_input_kernel[grid](
+    knn_conv_grad_input_kernel[grid](
         _rows(grad_y, (tile.block_m, tile.block_k)),
         TensorDescriptor.from_tensor(cells, [tile.block_k, tile.block_n]),
         dx, tables.pair_start, tables.pair_gy, tables.pair_w, batch, nin, cin,
@@ -123,7 +127,7 @@ def grad_weight(grad_y: torch.Tensor, x: torch.Tensor, tables: TritonTables, *, 
     cout = grad_y.shape[1]
     partial = _poisoned_or_empty((splits, v, cin, cout), torch.float32, x.device, poison)
     grid = (v * splits, triton.cdiv(cin, tile.block_m), triton.cdiv(cout, tile.block_n))
-    knn_grad_weight_kernel[grid](
+    knn_conv_grad_weight_kernel[grid](
         _rows(x, (tile.block_k, tile.block_m)), _rows(grad_y, (tile.block_k, tile.block_n)),
         partial, tables.cell_start, tables.cell_x, tables.cell_gy, batch, cin, cout, v,
         splits, triton.cdiv(batch, tile.block_k), BM=tile.block_m,
