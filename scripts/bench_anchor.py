@@ -1,8 +1,9 @@
-"""The anchor measured in the same run as knnconv's cuda backend: fovi 2.4.0's native-CUDA
-KNN convolution (`fovi.arch.knn_cuda` through its `KNNConvFunction`, the system of
-shared/anchors.md) against `knnconv.knn_conv(..., "cuda")` on the same layers and host, each
-on random operands in the storage its own network passes between layers (fovi's contiguous,
-knnconv's channels-last past the image layer), timed as `knnconv bench` times (median of
+"""The anchor measured in the same run as knnconv's native backends: fovi 2.4.0's native-CUDA
+KNN convolution (`fovi.arch.knn_cuda` through its `KNNConvFunction`) against
+`knnconv.knn_conv(..., backend)` for the cuda and triton backends on the same layers and host,
+each on random operands in the storage its own network passes between layers (fovi's
+contiguous, knnconv's channels-last past the image layer), and the triton backend also on x
+contiguous as fovi passes it ("triton/contiguous"), timed as `knnconv bench` times (median of
 CUDA-event-bracketed calls after warm-up).
 
 Two ways of calling: with the same x and grad_y every call and the weight unchanged (how
@@ -46,10 +47,14 @@ from knnconv.tools.bench_networks import NETWORKS
 
 DEVICE = torch.device("cuda")
 MIB = 2**20
-BACKENDS = ("anchor", "cuda")
+# fovi's kernels, then knnconv's backends; "/contiguous": x as fovi passes it, not as
+# knnconv's layers do
+BACKENDS = ("anchor", "cuda", "triton", "triton/contiguous")
+KNNCONV_BACKENDS = BACKENDS[1:]
 # h200_anchor.json networks field -> (backend, knnconv.keep_input_relayout setting)
 NETWORK_MODES = {"anchor_peak_mib": ("anchor", False), "cuda_peak_mib": ("cuda", False),
-                 "cuda_keeping_relayouts_peak_mib": ("cuda", True)}
+                 "cuda_keeping_relayouts_peak_mib": ("cuda", True),
+                 "auto_peak_mib": ("auto", False)}
 
 
 def anchor_meta(plan):
@@ -108,9 +113,10 @@ def layer_forward(backend: str, plan, inputs):
     """One backend's forward of one layer, reading the operands at call time. The anchor's
     tables are built here, so a memory count begun before this call includes them, as it
     includes the tables knnconv derives at its first call."""
-    if backend == "cuda":
+    if backend != "anchor":
+        name = backend.split("/")[0]
         return lambda: knn_conv_with_backend(inputs.x, inputs.weight, inputs.bias, plan,
-                                             "cuda")[0]
+                                             name)[0]
     import fovi.arch.knn_cuda  # noqa: F401  (registers fovi's "cuda" ops)
     from fovi.arch.knn_autograd import KNNConvFunction
 
@@ -136,7 +142,7 @@ def operands_as_passed(layer, batch: int, backend: str):
     """Random operands in the storage each backend's own network passes between its layers:
     fovi's layers take and return contiguous [B, C, N]; knnconv's return channels-last
     storage, which the next layer reads as it is (the image layer reads a contiguous x)."""
-    channels_last = backend == "cuda" and not reads_image(layer.cin)
+    channels_last = backend in ("cuda", "triton", "auto") and not reads_image(layer.cin)
     return random_inputs(layer.plan(), batch, torch.float16, DEVICE,
                          channels_last=channels_last)
 
@@ -168,6 +174,8 @@ def measure_cell(layer, batch: int, timing: dict) -> list[dict]:
             row["status"] = "ok"
         except torch.cuda.OutOfMemoryError:
             row["status"] = "oom"
+        except ValueError as exc:  # a named backend that cannot serve the layer says why
+            row["status"], row["note"] = "unsupported", str(exc)
         rows.append(row)
         release_memory(DEVICE)
     return rows
@@ -202,34 +210,56 @@ def network_peak_mib(directory: Path, model: str, batch: int, backend: str) -> f
     return peak_mib(step, clear_grads, before, warm_steps=1)
 
 
-def paired_cells(rows: list[dict]) -> dict[tuple, dict]:
-    """(layer, batch) -> {backend: row} for the cells where both backends ran."""
+def paired_cells(rows: list[dict], backend: str) -> dict[tuple, dict]:
+    """(layer, batch) -> {"anchor": row, backend: row} for the cells where both ran."""
     cells: dict[tuple, dict] = {}
     for row in rows:
-        if row["status"] == "ok":
+        if row["status"] == "ok" and row["backend"] in ("anchor", backend):
             cells.setdefault((row["layer"], row["batch"]), {})[row["backend"]] = row
-    return {cell: both for cell, both in cells.items() if len(both) == len(BACKENDS)}
+    return {cell: both for cell, both in cells.items() if len(both) == 2}
+
+
+def best_native(rows: list[dict]) -> list[dict]:
+    """Per cell, the faster (training step, fresh operands) of knnconv's cuda and triton
+    backends on channels-last operands, as a row of backend "auto": what auto's choice of
+    the two would reach if it picked per cell."""
+    cells: dict[tuple, list] = {}
+    for row in rows:
+        if row["status"] == "ok" and row["backend"] in ("cuda", "triton"):
+            cells.setdefault((row["layer"], row["batch"]), []).append(row)
+    return [dict(min(both, key=lambda r: r["train_fresh_ms"]), backend="best_native")
+            for both in cells.values()]
 
 
 def summarize(rows: list[dict]) -> dict:
-    pairs = [(both["cuda"], both["anchor"]) for both in paired_cells(rows).values()]
-    summary = {"cells": len(pairs)}
-    for mode in ("train", "forward", "train_fresh", "forward_fresh"):
-        ratios = [a[f"{mode}_ms"] / c[f"{mode}_ms"] for c, a in pairs]
-        summary[f"{mode}_speedup_geomean"] = geomean(ratios)
-        summary[f"{mode}_cells_slower"] = sum(r < 1 for r in ratios)
-    memory = [c["peak_train_mib"] / a["peak_train_mib"] for c, a in pairs]
-    summary["peak_train_memory_ratio_geomean"] = geomean(memory)
-    summary["peak_train_memory_ratio_range"] = [min(memory), max(memory)]
-    summary["cells_with_more_peak_memory"] = sum(m > 1 for m in memory)
+    """Per knnconv backend, its speedups over the anchor (geomean, cells slower) and its peak
+    memory against the anchor's, over the cells both ran."""
+    summary = {}
+    for backend in (*KNNCONV_BACKENDS, "best_native"):
+        pairs = [(both[backend], both["anchor"])
+                 for both in paired_cells(rows, backend).values()]
+        if not pairs:
+            continue
+        entry = summary[backend] = {"cells": len(pairs)}
+        for mode in ("train", "forward", "train_fresh", "forward_fresh"):
+            ratios = [a[f"{mode}_ms"] / c[f"{mode}_ms"] for c, a in pairs]
+            entry[f"{mode}_speedup_geomean"] = geomean(ratios)
+            entry[f"{mode}_cells_slower"] = sum(r < 1 for r in ratios)
+        memory = [c["peak_train_mib"] / a["peak_train_mib"] for c, a in pairs]
+        entry["peak_train_memory_ratio_geomean"] = geomean(memory)
+        entry["peak_train_memory_ratio_range"] = [min(memory), max(memory)]
+        entry["cells_with_more_peak_memory"] = sum(m > 1 for m in memory)
     return summary
+
+
+PLOTTED = "best_native"
 
 
 def plot(rows: list[dict], path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    by_cell = paired_cells(rows)
+    by_cell = paired_cells(rows, PLOTTED)
     cells = list(by_cell)
     figure = Figure(figsize=(max(8.0, 0.15 * len(cells)), 8.0))
     FigureCanvasAgg(figure)
@@ -239,13 +269,15 @@ def plot(rows: list[dict], path: Path) -> None:
                                 ("forward", "o", "forward, same operands"),
                                 ("forward_fresh", "^", "forward, fresh operands")):
         speed.scatter(range(len(cells)), [by_cell[c]["anchor"][f"{mode}_ms"]
-                                          / by_cell[c]["cuda"][f"{mode}_ms"] for c in cells],
+                                          / by_cell[c][PLOTTED][f"{mode}_ms"] for c in cells],
                       s=14, marker=marker, label=label)
-    speed.set_ylabel("anchor time / knnconv cuda time (same run)")
-    memory.scatter(range(len(cells)), [by_cell[c]["cuda"]["peak_train_mib"]
+    speed.set_ylabel("fovi 2.4.0 kernels' time / knnconv's (same run)")
+    speed.set_title("knnconv's faster native backend per cell against fovi 2.4.0's kernels, "
+                    "per layer (one H200, one run)")
+    memory.scatter(range(len(cells)), [by_cell[c][PLOTTED]["peak_train_mib"]
                                        / by_cell[c]["anchor"]["peak_train_mib"] for c in cells],
                    s=14, marker="s", color="C2")
-    memory.set_ylabel("peak memory of a training step\n(fresh operands), knnconv cuda / anchor")
+    memory.set_ylabel("peak memory of a training step\n(fresh operands), knnconv / fovi")
     for axis in (speed, memory):
         axis.axhline(1.0, color="gray", linewidth=0.8)
         axis.set_yscale("log")
@@ -284,7 +316,7 @@ def main() -> None:
         print(f"{model} B={batch}: peak memory of a training step through its KNN layers: "
               f"anchor {row['anchor_peak_mib']:.0f} MiB, knnconv cuda "
               f"{row['cuda_peak_mib']:.0f} MiB ({row['cuda_keeping_relayouts_peak_mib']:.0f} MiB "
-              "keeping the input re-layouts)")
+              f"keeping the input re-layouts), knnconv auto {row['auto_peak_mib']:.0f} MiB")
     rows = []
     layers = load_geometry_dir(args.geometry) + (generated_stems() if args.stems else [])
     for layer in layers:
@@ -299,6 +331,7 @@ def main() -> None:
                           f"{row['peak_train_mib']:7.1f} MiB")
                 else:
                     print(f"{layer.name:60} {batch:5} {row['backend']:7} {row['status']}")
+    rows += best_native(rows)
     summary = summarize(rows)
     print(json.dumps(summary, indent=1))
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(DEVICE),

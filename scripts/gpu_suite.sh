@@ -52,7 +52,7 @@ fi
 stage magnitudes 120 python3 scripts/gradient_magnitudes.py --device cuda \
   --out "$out/logs/gpu_gradient_magnitudes.json"
 stage bench 240 python3 -m knnconv.tools.bench --geometry "$geometry" --stems --out "$out" \
-  --dtypes float16 --backends reference,torch_compact,cuda --check --repeats 30 --warmup 3
+  --dtypes float16 --backends reference,torch_compact,cuda,triton --check --repeats 30 --warmup 3
 mv -f "$out/h200.csv" "$out/logs/" 2>/dev/null
 stage networks 60 python3 -m knnconv.tools.bench_networks --geometry "$geometry" --out "$out"
 # the example networks' training steps, eager and under torch.compile(mode="reduce-overhead")
@@ -61,7 +61,7 @@ stage models 240 sh -c "python3 -m knnconv bench --model alexnet --batches 32,12
   python3 -m knnconv bench --model resnet18 --batches 32,128 --backends cuda --compile \
   --repeats 10 --warmup 3 --out '$out/logs' --name h200"
 stage bench_bf16 60 python3 -m knnconv.tools.bench --geometry "$geometry" --out "$out" \
-  --dtypes bfloat16 --backends cuda --name h200_bf16 --repeats 10 --warmup 2
+  --dtypes bfloat16 --backends cuda,triton --name h200_bf16 --repeats 10 --warmup 2
 rm -f "$out/h200_bf16.csv" "$out/h200_bf16.png"
 stage memcheck 40 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_kernels.py
 stage racecheck 150 compute-sanitizer --tool racecheck --error-exitcode 9 \
