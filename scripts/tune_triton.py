@@ -1,0 +1,114 @@
+"""Time the triton backend's kernels over candidate tiles on real layer geometries (GPU).
+
+    python scripts/tune_triton.py GEOMETRY_DIR OUT.json LAYER_SUBSTR:BATCH [...]
+
+Each (layer, batch) times the forward, dx and dW launches (knnconv.ops.triton.launch, the
+weight's re-layout included: the same for every tile) for every candidate tile of their
+family, replayed as CUDA graphs, median of 15, on channels-last fp16 operands. Every timing
+is written with its achieved TFLOP/s (2 * B * entries * Cin * Cout / time); the current rule's
+choice and the fastest candidate per family are printed, for tiles.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from knnconv.ops import get_ops
+from knnconv.ops.triton import configs, launch
+from knnconv.tools.bench import graph_replay_ms, load_geometry_dir
+
+DEVICE = torch.device("cuda")
+# (block_m, block_n, block_k, warps, stages) candidates per family, before fitting; eight
+# warps (two warpgroups) where a tile holds 128 x 128 accumulators or more
+GEMM_TILES = [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
+              (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 256, 64, 8, 3),
+              (128, 128, 32, 8, 5), (64, 64, 64, 4, 4)]
+SPACE = {"forward": GEMM_TILES, "grad_input": GEMM_TILES,
+         "grad_weight": [(128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (64, 128, 64, 4, 4),
+                         (128, 64, 64, 4, 4), (64, 64, 128, 4, 4), (128, 256, 64, 8, 3),
+                         (256, 128, 64, 8, 3)]}
+
+
+def fitted(family: str, plan, batch: int, raw: tuple) -> configs.TileConfig | None:
+    """A candidate fitted to the layer as tile_config fits a rule's, or None where it cannot
+    be (a contraction chunk that does not divide the channels)."""
+    tile = configs.TileConfig(*raw)
+    n = plan.cin if family == "grad_input" else plan.cout
+    block_n = min(tile.block_n, max(16, 1 << (n - 1).bit_length()))
+    block_m, block_k = tile.block_m, tile.block_k
+    if family == "grad_weight":
+        block_m = min(block_m, max(16, 1 << (plan.cin - 1).bit_length()))
+    else:
+        contracted = plan.cin if family == "forward" else plan.cout
+        if contracted % block_k:
+            return None
+    return configs.TileConfig(block_m, block_n, block_k, tile.warps, tile.stages)
+
+
+def launcher(family: str, plan, batch: int, tile, operands):
+    x, weight, grad_y, tables = operands
+    if family == "forward":
+        return lambda: launch.forward(x, weight, None, tables, nout=plan.nout, v=plan.v,
+                                      tile=tile)
+    if family == "grad_input":
+        return lambda: launch.grad_input(grad_y, weight, tables, nin=plan.nin, v=plan.v,
+                                         tile=tile, dtype=torch.float16)
+    splits = launch.grad_weight_splits(
+        tile, cin=plan.cin, cout=plan.cout, v=plan.v, entries=plan.entry_count,
+        processors=torch.cuda.get_device_properties(DEVICE).multi_processor_count)
+    return lambda: launch.grad_weight(grad_y, x, tables, v=plan.v, tile=tile, splits=splits)
+
+
+def tune_cell(layer, batch: int) -> list[dict]:
+    plan = layer.plan()
+
+    def channels_last(*shape):
+        return torch.randn(shape[0], shape[2], shape[1], device=DEVICE,
+                           dtype=torch.float16).transpose(1, 2)
+
+    operands = (channels_last(batch, plan.cin, plan.nin),
+                torch.randn(plan.cout, plan.q, device=DEVICE, dtype=torch.float16),
+                channels_last(batch, plan.cout, plan.nout), get_ops("triton").tables(plan, DEVICE))
+    flop = 2 * batch * plan.entry_count * plan.cin * plan.cout
+    rows = []
+    for family, space in SPACE.items():
+        chosen = {"forward": launch.forward_tile, "grad_input": launch.grad_input_tile,
+                  "grad_weight": launch.grad_weight_tile}[family](batch, plan.cin, plan.cout)
+        tiles = {chosen} | {t for raw in space if (t := fitted(family, plan, batch, raw))}
+        for tile in sorted(tiles, key=str):
+            try:
+                ms = graph_replay_ms(launcher(family, plan, batch, tile, operands), DEVICE,
+                                     warmup=2, repeats=15)[0]
+            except Exception as exc:  # a tile the compiler rejects (shared memory): skipped
+                print(f"  {family} {tile}: {type(exc).__name__}: {str(exc)[:120]}")
+                continue
+            rows.append({"layer": layer.name, "batch": batch, "family": family,
+                         "tile": tile.__dict__, "chosen": tile == chosen, "ms": ms,
+                         "tflops": flop / ms / 1e9})
+        timed = [r for r in rows if r["family"] == family]
+        best = min(timed, key=lambda r: r["ms"])
+        current = next(r for r in timed if r["chosen"])
+        print(f"{layer.name[-40:]:40} B={batch:5} {family:11} rule {current['ms']:.3f} ms "
+              f"({current['tflops']:.0f} TFLOP/s)  best {best['ms']:.3f} ms "
+              f"({best['tflops']:.0f} TFLOP/s) {best['tile']}", flush=True)
+    return rows
+
+
+def main() -> int:
+    geometry, out, cells = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
+    rows = []
+    for cell in cells:
+        substring, batch = cell.rsplit(":", 1)
+        for layer in load_geometry_dir(geometry, [substring])[:1]:
+            rows += tune_cell(layer, int(batch))
+            out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows},
+                                      indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
