@@ -181,6 +181,24 @@ class KNNConvOps:
         return f"<knnconv ops {self.name!r}>"
 
 
+class GradientsFirstOps(KNNConvOps):
+    """A backend whose ``gradients`` is its primitive (it fuses the conversions, the bias
+    reduction and dx's storage into its launches): the single-gradient primitives are
+    ``gradients`` asked for one or two of them, in float32."""
+
+    def grad_input(self, plan, grad_y, weight):
+        return self.gradients(plan, grad_y, None, weight, (True, False, False),
+                              (torch.float32,) * 3)[0]
+
+    def grad_weight(self, plan, grad_y, x):
+        return self.gradients(plan, grad_y, x, None, (False, True, False),
+                              (torch.float32,) * 3)[1]
+
+    def backward_combined(self, plan, grad_y, x, weight):
+        return self.gradients(plan, grad_y, x, weight, (True, True, False),
+                              (torch.float32,) * 3)[:2]
+
+
 _REGISTRY: dict[str, KNNConvOps] = {}
 
 

@@ -17,7 +17,7 @@ import torch
 from ... import context
 from ...plan import GeometryPlan, KNNConvPlan, NeighbourhoodPlan
 from ..first_use import FirstUseChecks
-from ..registry import KNNConvOps, channels_fastest, in_storage, is_channels_last
+from ..registry import GradientsFirstOps, channels_fastest, in_storage, is_channels_last
 from . import channels_last, neighbourhood
 from .build import (
     MIN_COMPUTE_CAPABILITY,
@@ -101,7 +101,7 @@ def probe_device(index: int) -> str | None:
     return reason
 
 
-class CudaOps(FirstUseChecks, KNNConvOps):
+class CudaOps(FirstUseChecks, GradientsFirstOps):
     """Registry ops backed by the native kernels.
 
     The first call of each (kernel, dtype, tile config) on a device writes into NaN-poisoned
@@ -291,18 +291,6 @@ class CudaOps(FirstUseChecks, KNNConvOps):
                            poison=bool(first))
         self._check_gradients(plan, keys, first, grads, grad_y, x, weight)
         return grads
-
-    def grad_input(self, plan, grad_y, weight):
-        return self.gradients(plan, grad_y, None, weight, (True, False, False),
-                              (torch.float32,) * 3)[0]
-
-    def grad_weight(self, plan, grad_y, x):
-        return self.gradients(plan, grad_y, x, None, (False, True, False),
-                              (torch.float32,) * 3)[1]
-
-    def backward_combined(self, plan, grad_y, x, weight):
-        return self.gradients(plan, grad_y, x, weight, (True, True, False),
-                              (torch.float32,) * 3)[:2]
 
     # The neighbourhood ops, on the kernels of knn_neighbourhood.cuh: every dx is a gather over
     # the reversed graph (deterministic); the depthwise dW sums per block and adds with fp32

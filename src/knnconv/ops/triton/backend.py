@@ -17,7 +17,7 @@ import torch
 
 from ...plan import GeometryPlan, KNNConvPlan, NeighbourhoodPlan
 from ..first_use import FirstUseChecks
-from ..registry import KNNConvOps, in_storage
+from ..registry import GradientsFirstOps, in_storage
 from .configs import MIN_BLOCK
 from .tables import TritonTables, build_tables
 
@@ -36,7 +36,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-class TritonOps(FirstUseChecks, KNNConvOps):
+class TritonOps(FirstUseChecks, GradientsFirstOps):
     """Registry ops backed by the Triton TMA kernels; first uses are checked as the ``cuda``
     backend's are (knnconv.ops.first_use)."""
 
@@ -131,15 +131,3 @@ class TritonOps(FirstUseChecks, KNNConvOps):
         if device.type != "cuda":
             return 1
         return torch.cuda.get_device_properties(device).multi_processor_count
-
-    def grad_input(self, plan, grad_y, weight):
-        return self.gradients(plan, grad_y, None, weight, (True, False, False),
-                              (torch.float32,) * 3)[0]
-
-    def grad_weight(self, plan, grad_y, x):
-        return self.gradients(plan, grad_y, x, None, (False, True, False),
-                              (torch.float32,) * 3)[1]
-
-    def backward_combined(self, plan, grad_y, x, weight):
-        return self.gradients(plan, grad_y, x, weight, (True, True, False),
-                              (torch.float32,) * 3)[:2]
