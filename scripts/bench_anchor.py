@@ -7,10 +7,10 @@ contiguous as fovi passes it ("triton/contiguous"), timed as `knnconv bench` tim
 CUDA-event-bracketed calls after warm-up).
 
 Two ways of calling: with the same x and grad_y every call and the weight unchanged (how
-`knnconv bench` and shared/anchors.md time), and with what a training step sees, a new x and
-grad_y each call and a weight the optimizer changed (`*_fresh_ms`): the anchor keys its x and
-grad_y re-layouts on tensor identity, so the first way lets it skip both. Also the peak
-memory (torch.cuda.max_memory_allocated) of a training step with fresh operands, per layer
+`knnconv bench` and the published anchor table time), and with what a training step sees, a
+new x and grad_y each call and a weight the optimizer changed (`*_fresh_ms`): the anchor keys
+its x and grad_y re-layouts on tensor identity, so the first way lets it skip both. Also the
+peak memory (torch.cuda.max_memory_allocated) of a training step with fresh operands, per layer
 and, first, through every KNN layer of the fovi AlexNet and ResNet-18 of
 knnconv.bench_networks, each counted from before the backend's first call (the anchor's
 caches emptied), so its tables and what it keeps between calls count too; the networks also
