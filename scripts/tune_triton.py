@@ -58,7 +58,7 @@ def launcher(family: str, plan, batch: int, tile, operands):
         return lambda: launch.grad_input(grad_y, weight, tables, nin=plan.nin, v=plan.v,
                                          tile=tile, dtype=torch.float16)
     splits = launch.grad_weight_splits(
-        tile, cin=plan.cin, cout=plan.cout, v=plan.v, entries=plan.entry_count,
+        tile, batch=batch, cin=plan.cin, cout=plan.cout, v=plan.v, entries=plan.entry_count,
         processors=torch.cuda.get_device_properties(DEVICE).multi_processor_count)
     return lambda: launch.grad_weight(grad_y, x, tables, v=plan.v, tile=tile, splits=splits)
 
@@ -76,8 +76,11 @@ def tune_cell(layer, batch: int) -> list[dict]:
     flop = 2 * batch * plan.entry_count * plan.cin * plan.cout
     rows = []
     for family, space in SPACE.items():
-        chosen = {"forward": launch.forward_tile, "grad_input": launch.grad_input_tile,
-                  "grad_weight": launch.grad_weight_tile}[family](batch, plan.cin, plan.cout)
+        chosen = {"forward": lambda: launch.forward_tile(batch, plan.cin, plan.cout, plan.nout),
+                  "grad_input": lambda: launch.grad_input_tile(batch, plan.cin, plan.cout,
+                                                               plan.nin),
+                  "grad_weight": lambda: launch.grad_weight_tile(batch, plan.cin, plan.cout),
+                  }[family]()
         tiles = {chosen} | {t for raw in space if (t := fitted(family, plan, batch, raw))}
         for tile in sorted(tiles, key=str):
             try:

@@ -64,10 +64,10 @@ def test_every_output_against_float64_with_poisoned_outputs(name):
     xh, wh, bh, gyh = (channels_last(x.half()), w.half(), b.half(), channels_last(gy.half()))
     tables = get_ops("triton").tables(plan, CPU)
     y = launch.forward(xh, wh, bh, tables, nout=plan.nout, v=plan.v,
-                       tile=launch.forward_tile(batch, cin, cout), poison=True)
+                       tile=launch.forward_tile(batch, cin, cout, plan.nout), poison=True)
     dx = launch.grad_input(gyh, wh, tables, nin=plan.nin, v=plan.v,
-                           tile=launch.grad_input_tile(batch, cin, cout), dtype=torch.float16,
-                           poison=True)
+                           tile=launch.grad_input_tile(batch, cin, cout, plan.nin),
+                           dtype=torch.float16, poison=True)
     tile_w = launch.grad_weight_tile(batch, cin, cout)
     dw = launch.grad_weight(gyh, xh, tables, v=plan.v, tile=tile_w, splits=3, poison=True)
 
@@ -137,6 +137,11 @@ def test_tiles_fit_the_layer():
     assert configs.tile_config("forward", batch=4, n=16, contracted_channels=96).block_k == 32
     assert configs.tile_config("forward", batch=512, n=40, contracted_channels=64).block_n == 64
     assert configs.tile_config("grad_weight", batch=512, n=64, rows=16).block_m == 16
+    # a layer of few nodes takes a smaller tile that gives the GPU enough programs
+    wide = configs.tile_config("forward", batch=2048, n=256, nodes=500, contracted_channels=64)
+    few = configs.tile_config("forward", batch=2048, n=256, nodes=4, contracted_channels=64)
+    assert (wide.block_m, wide.block_n) == (128, 256)
+    assert few.block_m * few.block_n < wide.block_m * wide.block_n
     with pytest.raises(ValueError, match="multiple of 16"):
         configs.tile_config("forward", batch=4, n=16, contracted_channels=24)
     for family, rules in configs.rules().items():
@@ -150,14 +155,17 @@ def test_bad_tiles_are_refused():
         configs.TileConfig(block_m=64, block_n=64, block_k=64, warps=2, stages=3)
 
 
-def test_splits_fill_the_processors_but_keep_pairs_per_split():
+def test_splits_fill_the_processors_but_keep_steps_per_split():
     tile = configs.TileConfig(64, 64, 64, 4, 3)
-    assert launch.grad_weight_splits(tile, cin=64, cout=64, v=9, entries=9 * 1000,
+    # 9 cells of one tile want 30 splits for 2 programs per SM; 1000 pairs of one step allow
+    assert launch.grad_weight_splits(tile, batch=64, cin=64, cout=64, v=9, entries=9 * 1000,
                                      processors=132) == 30
-    assert launch.grad_weight_splits(tile, cin=64, cout=64, v=9, entries=9 * 16,
+    # 16 pairs a cell, 2 batch chunks each: 32 steps, two splits of 16
+    assert launch.grad_weight_splits(tile, batch=128, cin=64, cout=64, v=9, entries=9 * 16,
                                      processors=132) == 2
-    assert launch.grad_weight_splits(tile, cin=256, cout=256, v=49, entries=49 * 1000,
-                                     processors=132) == 1
+    # 49 cells of 16 tiles fill the GPU unsplit
+    assert launch.grad_weight_splits(tile, batch=2048, cin=256, cout=256, v=49,
+                                     entries=49 * 1000, processors=132) == 1
 
 
 @pytest.mark.parametrize("dtype, cin, cout, match", [

@@ -69,9 +69,9 @@ def test_every_output_against_float64_with_poisoned_outputs(name, dtype):
     wg, bg = w.to(DEVICE), b.to(DEVICE)
     tables = get_ops("triton").tables(plan, DEVICE)
     y = launch.forward(xg, wg, bg, tables, nout=plan.nout, v=plan.v,
-                       tile=launch.forward_tile(batch, cin, cout), poison=True)
+                       tile=launch.forward_tile(batch, cin, cout, plan.nout), poison=True)
     dx = launch.grad_input(gyg, wg, tables, nin=plan.nin, v=plan.v,
-                           tile=launch.grad_input_tile(batch, cin, cout), dtype=dtype,
+                           tile=launch.grad_input_tile(batch, cin, cout, plan.nin), dtype=dtype,
                            poison=True)
     tile_w = launch.grad_weight_tile(batch, cin, cout)
     dw = launch.grad_weight(gyg, xg, tables, v=plan.v, tile=tile_w, splits=3, poison=True)

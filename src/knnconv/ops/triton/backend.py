@@ -86,7 +86,7 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
         return t if launch.boxable(t) else in_storage(t.contiguous(), channels_last=True)
 
     def forward(self, plan, x, weight, bias):
-        tile = launch.forward_tile(x.shape[0], plan.cin, plan.cout)
+        tile = launch.forward_tile(x.shape[0], plan.cin, plan.cout, plan.nout)
         key = ("forward", x.dtype, tile, x.device, bias is not None)
         first = self._first_use(key)
         y = launch.forward(self._boxable(x), weight, bias, self.tables(plan, x.device),
@@ -104,13 +104,13 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
         gy = self._boxable(grad_y)
         keys, grads = {}, [None, None, None]
         if need_input:
-            tile = launch.grad_input_tile(batch, plan.cin, plan.cout)
+            tile = launch.grad_input_tile(batch, plan.cin, plan.cout, plan.nin)
             keys["input"] = ("grad_input", grad_y.dtype, tile, device, grad_dtypes[0])
         if need_weight:
             tile_w = launch.grad_weight_tile(batch, plan.cin, plan.cout)
             splits = launch.grad_weight_splits(
-                tile_w, cin=plan.cin, cout=plan.cout, v=plan.v, entries=plan.entry_count,
-                processors=self._processors(device))
+                tile_w, batch=batch, cin=plan.cin, cout=plan.cout, v=plan.v,
+                entries=plan.entry_count, processors=self._processors(device))
             keys["weight"] = ("grad_weight", grad_y.dtype, tile_w, device, splits)
         first = {role for role, key in keys.items() if self._first_use(key)}
         if need_input:

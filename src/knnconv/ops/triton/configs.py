@@ -9,7 +9,7 @@ from functools import cache
 from pathlib import Path
 
 FAMILIES = ("forward", "grad_input", "grad_weight")
-CONDITIONS = ("max_batch", "min_batch", "min_n")
+CONDITIONS = ("max_batch", "min_batch", "min_n", "min_programs")
 MIN_BLOCK = 16  # the smallest dot extent Triton takes, and a 16-byte TMA box row of fp16
 MAX_BLOCK = 256  # the largest extent of a TMA box
 
@@ -53,12 +53,6 @@ def rules() -> dict[str, list[tuple[dict, TileConfig]]]:
     return parsed
 
 
-def _holds(conditions: dict, batch: int, n: int) -> bool:
-    return (batch <= conditions.get("max_batch", batch)
-            and batch >= conditions.get("min_batch", batch)
-            and n >= conditions.get("min_n", n))
-
-
 def _power_of_two_at_least(value: int) -> int:
     return max(MIN_BLOCK, 1 << (value - 1).bit_length())
 
@@ -74,20 +68,34 @@ def chunk(contracted: int, largest: int) -> int:
     return 0
 
 
-def tile_config(family: str, *, batch: int, n: int, contracted_channels: int | None = None,
-                rows: int | None = None) -> TileConfig:
-    """The tile of ``family`` for a call: the first rule that holds, its block_n capped at the
-    column extent ``n``, its block_k at a chunk of ``contracted_channels`` (forward,
-    grad_input), and for grad_weight its block_m at the input channels ``rows``."""
-    config = next(tile for conditions, tile in rules()[family]
-                  if _holds(conditions, batch, n))
+def _fit(config: TileConfig, n: int, contracted_channels: int | None,
+         rows: int | None) -> TileConfig:
     block_n = min(config.block_n, _power_of_two_at_least(n))
     block_m, block_k = config.block_m, config.block_k
     if contracted_channels is not None:
         block_k = chunk(contracted_channels, block_k)
-        if not block_k:
-            raise ValueError(f"{family}: {contracted_channels} contracted channels are not a "
-                             f"multiple of {MIN_BLOCK}")
     if rows is not None:
         block_m = min(block_m, _power_of_two_at_least(rows))
-    return TileConfig(block_m, block_n, block_k, config.warps, config.stages)
+    return TileConfig(block_m, block_n, block_k or MIN_BLOCK, config.warps, config.stages)
+
+
+def tile_config(family: str, *, batch: int, n: int, nodes: int | None = None,
+                contracted_channels: int | None = None, rows: int | None = None) -> TileConfig:
+    """The tile of ``family`` for a call: the first rule that holds, its block_n capped at the
+    column extent ``n``, its block_k at a chunk of ``contracted_channels`` (forward,
+    grad_input), and for grad_weight its block_m at the input channels ``rows``. A rule's
+    min_programs holds where its fitted tile's grid (``nodes`` x batch tiles x column tiles)
+    has at least that many programs."""
+    if contracted_channels is not None and not chunk(contracted_channels, MAX_BLOCK):
+        raise ValueError(f"{family}: {contracted_channels} contracted channels are not a "
+                         f"multiple of {MIN_BLOCK}")
+    for conditions, config in rules()[family]:
+        tile = _fit(config, n, contracted_channels, rows)
+        programs = None if nodes is None else (
+            nodes * -(-batch // tile.block_m) * -(-n // tile.block_n))
+        if (batch <= conditions.get("max_batch", batch)
+                and batch >= conditions.get("min_batch", batch)
+                and n >= conditions.get("min_n", n)
+                and (programs is None or programs >= conditions.get("min_programs", 0))):
+            return tile
+    raise AssertionError("the last rule has no conditions")

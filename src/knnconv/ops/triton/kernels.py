@@ -14,8 +14,8 @@ here is two tensor-descriptor loads (TMA on Hopper, zero-filled out of bounds) a
   [V*Cout, Cin].
 - ``knn_conv_grad_weight_kernel``: per kernel cell v, dW_v[c, o] = sum over v's (m, n) pairs
   and batch chunks of x[b-chunk, m, c]^T @ grad_y[b-chunk, n, o]; a program owns its tile of
-  one split of the pair range, so no atomics: the splits' partials are summed in a fixed
-  order.
+  one split of the cell's steps (pairs x batch chunks), so no atomics: the splits' partials
+  are summed in a fixed order.
 
 Entry tables hold element offsets (m*Cin, v*Cin, ...) so a step's box coordinates are loads,
 not products. Accumulation is float32 in every kernel; outputs are stored through masked
@@ -86,12 +86,13 @@ def knn_conv_grad_weight_kernel(x_desc, gy_desc, partial_ptr, start_ptr, pair_x_
     c0 = tl.program_id(1) * BM
     o0 = tl.program_id(2) * BN
     first = tl.load(start_ptr + cell)
-    pairs = tl.load(start_ptr + cell + 1) - first
-    lo = first + (pairs * split) // splits
-    hi = first + (pairs * (split + 1)) // splits
+    # the cell's steps (pairs x batch chunks), split into equal contiguous ranges
+    steps = (tl.load(start_ptr + cell + 1) - first) * batch_chunks
+    lo = (steps * split) // splits
+    hi = (steps * (split + 1)) // splits
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for step in range((hi - lo) * batch_chunks):
-        pair = lo + step // batch_chunks
+    for step in range(lo, hi):
+        pair = first + step // batch_chunks
         b0 = (step % batch_chunks) * BB
         a = x_desc.load([b0, tl.load(pair_x_ptr + pair) + c0])
         g = gy_desc.load([b0, tl.load(pair_gy_ptr + pair) + o0])

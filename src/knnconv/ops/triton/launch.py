@@ -20,10 +20,10 @@ from .kernels import (
 from .tables import TritonTables
 
 TMA_ALIGNMENT = 16  # bytes: a tensor map's base address and row strides
-# grad_weight splits its pair ranges until the grid holds this many programs per SM (or each
-# split would get fewer than MIN_PAIRS_PER_SPLIT pairs)
+# grad_weight splits each cell's steps (pairs x batch chunks) until the grid holds this many
+# programs per SM, or a split would get fewer than MIN_STEPS_PER_SPLIT steps (on average)
 PROGRAMS_PER_SM = 2
-MIN_PAIRS_PER_SPLIT = 8
+MIN_STEPS_PER_SPLIT = 16
 
 
 def boxable(t: torch.Tensor) -> bool:
@@ -49,25 +49,26 @@ def _poisoned_or_empty(shape, dtype, device, poison: bool) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def forward_tile(batch: int, cin: int, cout: int) -> TileConfig:
-    return tile_config("forward", batch=batch, n=cout, contracted_channels=cin)
+def forward_tile(batch: int, cin: int, cout: int, nout: int) -> TileConfig:
+    return tile_config("forward", batch=batch, n=cout, nodes=nout, contracted_channels=cin)
 
 
-def grad_input_tile(batch: int, cin: int, cout: int) -> TileConfig:
-    return tile_config("grad_input", batch=batch, n=cin, contracted_channels=cout)
+def grad_input_tile(batch: int, cin: int, cout: int, nin: int) -> TileConfig:
+    return tile_config("grad_input", batch=batch, n=cin, nodes=nin, contracted_channels=cout)
 
 
 def grad_weight_tile(batch: int, cin: int, cout: int) -> TileConfig:
     return tile_config("grad_weight", batch=batch, n=cout, rows=cin)
 
 
-def grad_weight_splits(tile: TileConfig, *, cin: int, cout: int, v: int, entries: int,
-                       processors: int) -> int:
-    """How many slices each cell's pair range is split into: enough for PROGRAMS_PER_SM
-    programs per SM, none with fewer than MIN_PAIRS_PER_SPLIT pairs (on average)."""
+def grad_weight_splits(tile: TileConfig, *, batch: int, cin: int, cout: int, v: int,
+                       entries: int, processors: int) -> int:
+    """How many slices each cell's steps are split into: enough for PROGRAMS_PER_SM programs
+    per SM, none with fewer than MIN_STEPS_PER_SPLIT steps (on average)."""
     tiles = v * math.ceil(cin / tile.block_m) * math.ceil(cout / tile.block_n)
     wanted = math.ceil(PROGRAMS_PER_SM * processors / tiles)
-    return max(1, min(wanted, entries // (v * MIN_PAIRS_PER_SPLIT)))
+    steps = entries * math.ceil(batch / tile.block_k) // v
+    return max(1, min(wanted, steps // MIN_STEPS_PER_SPLIT))
 
 
 def weight_by_cell(weight: torch.Tensor, cin: int, v: int, *, reverse: bool) -> torch.Tensor:
