@@ -1,5 +1,6 @@
-"""What an eager call costs the host, piece by piece: the floor under issue 4's small-cell
-targets (a training step <= 100 us, a forward <= 40 us, as a user times them).
+"""What an eager call costs the host, piece by piece: how much of a small layer's eager
+forward and training step, as a user times them, is host time, and how much of that no
+implementation of the op in Python can avoid.
 
     python scripts/bench_host.py GEOMETRY_DIR OUT.json
 
