@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 import subprocess
 import sys
@@ -58,22 +57,6 @@ def table_rows(text: str, header: str = "|") -> list[list[str]]:
     return rows
 
 
-def geomean(values) -> float:
-    values = list(values)
-    return math.exp(sum(map(math.log, values)) / len(values))
-
-
-def shown(text: str) -> tuple[float, float]:
-    """A figure as printed and half a unit of its last digit: what it may differ by."""
-    decimals = len(text.split(".")[1]) if "." in text else 0
-    return float(text), 0.5 * 10.0 ** -decimals + 1e-9
-
-
-def assert_shows(text: str, value: float) -> None:
-    figure, tolerance = shown(text)
-    assert abs(figure - value) <= tolerance, f"README shows {text}, the file holds {value:.4g}"
-
-
 def test_usage_code_runs_and_gives_the_sizes_its_comments_state():
     (usage,) = code_blocks(section("Usage"), "python")
     namespace: dict = {}
@@ -111,6 +94,17 @@ def test_the_two_commands_are_the_scripts_ci_runs():
     assert "knnconv demo" in (ROOT / "scripts" / "main_job.sh").read_text()
 
 
+def test_fovi_install_is_the_one_the_tests_run():
+    """The README's fovi install is run_tests.sh's: the fovi extra first, then fovi and timm
+    at the same pins without their own requirements (pip's own --quiet aside)."""
+    commands = re.findall(r"`(python3 -m pip install [^`]+)`", section("Usage"))
+    extra, fovi = [command for command in commands if "fovi" in command]
+    assert '".[fovi]"' in extra and "--no-deps" in fovi
+    script = (ROOT / "scripts" / "run_tests.sh").read_text().replace(" --quiet", "")
+    assert fovi in script
+    assert script.index('.[dev,fovi]"') < script.index(fovi)
+
+
 def test_commands_and_their_options_exist():
     parser = cli.build_parser()
     commands = parser._subparsers._group_actions[0].choices  # the subcommand parsers
@@ -131,124 +125,33 @@ def test_every_linked_or_named_repository_path_exists():
     assert not missing
 
 
-def whole_model_rows() -> dict[tuple, dict]:
-    data = json.loads((RESULTS / "h200_fovi_models.json").read_text())
-    return {(row["model"], row["path"], row["mode"], row["batch"]): row
-            for row in data["rows"] if row["status"] == "ok"}
+def test_generated_figures_are_the_committed_results():
+    """Every performance figure sits in a block scripts/readme_tables.py generates from the
+    committed result files, and the README holds exactly what it generates."""
+    generated = subprocess.run([sys.executable, str(ROOT / "scripts" / "readme_tables.py")],
+                               check=True, capture_output=True, text=True, cwd=ROOT).stdout
+    blocks = re.findall(r"<!-- generated: ([\w-]+) -->\n.*?<!-- end: \1 -->", generated, re.S)
+    assert blocks == ["whole-models", "per-layer", "neighbourhood"]
+    for block in re.findall(r"<!-- generated: [\w-]+ -->\n.*?<!-- end: [\w-]+ -->", generated,
+                            re.S):
+        assert block in README, block.splitlines()[0]
 
 
-def test_whole_model_table_is_the_committed_run():
-    rows = whole_model_rows()
-    models, modes = {"ResNet-18": "resnet18", "AlexNet": "alexnet"}, {"eager": "eager",
-                                                                      "CUDA graph": "graph"}
-    paths = ("fovi", "accelerated", "accelerated+compile", "grid")
-    table = table_rows(section("Performance"), "| model | B | mode")
-    assert len(table) == 6
-    for model, batch, mode, *cells in table:
-        key = models[model], int(batch), modes[mode]
-        fovi_ms = rows[(key[0], "fovi", key[2], key[1])]["median_ms"]
-        for path, cell in zip(paths, cells, strict=True):
-            if not cell:
-                continue
-            median = rows[(key[0], path, key[2], key[1])]["median_ms"]
-            time, *speedup = re.fullmatch(r"([\d.]+) ms(?: \(([\d.]+)x\))?", cell).groups()
-            assert_shows(time, median)
-            if speedup and speedup[0]:
-                assert_shows(speedup[0], fovi_ms / median)
-
-
-def test_whole_model_sentences_are_the_committed_run():
-    rows = whole_model_rows()
-    text = " ".join(section("Performance").split())
-    against_grid = re.search(r"costs ([\d.]+)x the grid network of the same pixels at "
-                             r"B = 2048 and ([\d.]+)x at B = 512", text).groups()
-    for batch, shown_ratio in zip((2048, 512), against_grid, strict=True):
-        assert_shows(shown_ratio, rows[("resnet18", "accelerated", "graph", batch)]["median_ms"]
-                     / rows[("resnet18", "grid", "graph", batch)]["median_ms"])
-    for model, label in (("resnet18", "its peak memory is"), ("alexnet", "AlexNet's")):
-        ratios = [row["peak_mib"] / rows[(model, "fovi", mode, batch)]["peak_mib"]
-                  for (name, path, mode, batch), row in rows.items()
-                  if name == model and path == "accelerated"]
-        low, high = re.search(rf"{label} ([\d.]+)-([\d.]+)x", text).groups()
-        assert_shows(low, min(ratios))
-        assert_shows(high, max(ratios))
-
-
-def profile_at(per_batch, batch: int) -> dict:
-    """A path's GPU-time breakdown at ``batch``: the bench writes one per profiled batch (a
-    list); the committed run, from before that, holds one (a dict)."""
-    entries = per_batch if isinstance(per_batch, list) else [per_batch]
-    (entry,) = [entry for entry in entries if entry["batch"] == batch]
-    return entry
-
-
-def test_whole_model_breakdown_is_the_committed_profile():
-    breakdown = json.loads((RESULTS / "h200_fovi_models.json").read_text())["breakdown"]
-    text = " ".join(section("Performance").split())
-    batch = int(re.search(r"GPU time goes at B = (\d+)", text).group(1))
-    resnet = profile_at(breakdown["resnet18"]["accelerated"], batch)
-    for category, label in (("knn_conv", "KNN convolutions"), ("normalisation", "batch norm"),
-                            ("knn_pool", "KNN pooling"), ("relayout_copy", "re-layouts and copies"),
-                            ("other", "other")):
-        assert_shows(re.search(rf"{label} ([\d.]+) ms", text).group(1),
-                     resnet["ms_per_step"][category])
-    alexnet = profile_at(breakdown["alexnet"]["accelerated"], batch)["ms_per_step"]
-    conv, total = re.search(r"AlexNet's is (\d+) of (\d+) ms in its KNN convolutions",
-                            text).groups()
-    assert_shows(conv, alexnet["knn_conv"])
-    assert_shows(total, sum(alexnet.values()))
-
-
-def test_neighbourhood_speedups_are_the_committed_run():
-    rows = json.loads((RESULTS / "h200_neighbourhood.json").read_text())["rows"]
-    times = {(row["backend"], row["op"], row["batch"], row["mode"]): row["median_ms"]
-             for row in rows}
-    ratios = [times[("torch_compact", *key[1:])] / ms for key, ms in times.items()
-              if key[0] == "cuda"]
-    low, high = re.search(r"native kernels run ([\d.]+)-([\d.]+)x faster than the same layers "
-                          r"in torch ops", " ".join(section("Performance").split())).groups()
-    assert_shows(low, min(ratios))
-    assert_shows(high, max(ratios))
-
-
-def test_per_layer_headline_figures_are_the_committed_runs():
-    anchor = json.loads((RESULTS / "h200_anchor.json").read_text())["summary"]
-    bench = json.loads((RESULTS / "h200.json").read_text())
-    table = {row[0]: row[1:] for row in table_rows(section("Performance"),
-                                                   "| per layer, geometric mean")}
-
-    def row(prefix: str) -> list[str]:
-        (match,) = [cells for label, cells in table.items() if label.startswith(prefix)]
-        return match
-
-    fresh = row("speedup over fovi 2.4.0's kernels timed in the same run")
-    assert_shows(fresh[0].rstrip("x"), anchor["train_fresh_speedup_geomean"])
-    assert_shows(fresh[1].rstrip("x"), anchor["forward_fresh_speedup_geomean"])
-    assert f"({anchor['cells']} cells; none slower in training, one forward)" in "".join(
-        label for label in table if label.startswith("speedup over fovi 2.4.0's kernels"))
-    assert anchor["train_fresh_cells_slower"] == 0 and anchor["forward_fresh_cells_slower"] == 1
-    memory = row("peak memory of a training step")
-    assert_shows(memory[0].rstrip("x"), anchor["peak_train_memory_ratio_geomean"])
-
-    published = {entry["mode"]: entry for entry in bench["summary"][
-        "train_speedup_vs_anchor_geomean"] if entry["backend"] == "cuda"}
-    assert_shows(row("speedup over fovi 2.4.0's published")[0].rstrip("x"),
-                 published["train"]["geomean"])
-
-    cells = [r for r in bench["rows"] if r["backend"] == "cuda" and r["dtype"] == "float16"]
-    by_mode = {mode: {(r["layer"], r["batch"]): r for r in cells if r["mode"] == mode}
-               for mode in ("train", "forward")}
-    large = [key for key, r in by_mode["train"].items() if r["floor_ms"] >= 0.1]
-    floor_row = row("% of the roofline floor, large layers")
-    train_pct = [by_mode["train"][key]["pct_of_floor"] for key in large]
-    geomean_text, low, high = re.fullmatch(r"([\d.]+)% \(([\d.]+)-([\d.]+)%\)",
-                                           floor_row[0]).groups()
-    assert_shows(geomean_text, geomean(train_pct))
-    assert_shows(low, min(train_pct))
-    assert_shows(high, max(train_pct))
-    assert_shows(floor_row[1].rstrip("%"),
-                 geomean(by_mode["forward"][key]["pct_of_floor"] for key in large))
-    assert f"(training floor >= 0.1 ms, {len(large)} cells)" in "".join(table)
+def test_the_generated_figures_follow_the_files(tmp_path, monkeypatch):
+    """The generator reads the result files: a changed figure changes its output."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import readme_tables
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    before = readme_tables.neighbourhood()
+    result = json.loads((RESULTS / "h200_neighbourhood.json").read_text())
+    for row in result["rows"]:
+        if row["backend"] == "cuda":
+            row["median_ms"] /= 2
+    (tmp_path / "h200_neighbourhood.json").write_text(json.dumps(result))
+    monkeypatch.setattr(readme_tables, "RESULTS", tmp_path)
+    assert readme_tables.neighbourhood() != before
 
 
 @pytest.mark.parametrize("name", ["h200.json", "h200_anchor.json", "h200_fovi_models.json"])

@@ -1,0 +1,197 @@
+"""The README's performance figures, generated from the committed result files.
+
+Each block of README.md between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->`` is
+this script's output for NAME; tests/test_readme.py checks that the README holds exactly it.
+
+    python3 scripts/readme_tables.py            # print every block
+    python3 scripts/readme_tables.py --write    # rewrite README.md's blocks in place
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+README = ROOT / "README.md"
+LARGE_FLOOR_MS = 0.1  # a cell whose training floor is at least this is a large one
+MODELS = {"resnet18": "ResNet-18", "alexnet": "AlexNet"}
+MODES = {"eager": "eager", "graph": "CUDA graph"}
+PATHS = ("fovi", "accelerated", "accelerated+compile", "grid")
+CATEGORIES = (("knn_conv", "KNN convolutions"), ("normalisation", "batch norm"),
+              ("knn_pool", "KNN pooling"), ("relayout_copy", "re-layouts and copies"),
+              ("other", "other"))
+
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def geomean(values) -> float:
+    values = list(values)
+    return math.exp(sum(map(math.log, values)) / len(values))
+
+
+def ms(value: float) -> str:
+    """Three significant figures, at most one decimal past ten milliseconds."""
+    return f"{value:.3g}" if value < 10 else f"{value:.1f}"
+
+
+def whole_models() -> str:
+    result = load("h200_fovi_models.json")
+    rows = {(r["model"], r["path"], r["mode"], r["batch"]): r for r in result["rows"]
+            if r["status"] == "ok"}
+    lines = ["| model | B | mode | fovi's own path | accelerated | accelerated + torch.compile "
+             "| grid ResNet-18 |", "|---|---|---|---|---|---|---|"]
+    shown = [("resnet18", 512, "eager"), ("resnet18", 512, "graph"), ("resnet18", 2048, "eager"),
+             ("resnet18", 2048, "graph"), ("alexnet", 512, "graph"), ("alexnet", 2048, "graph")]
+    for model, batch, mode in shown:
+        fovi = rows.get((model, "fovi", mode, batch))
+        cells = []
+        for path in PATHS:
+            # the grid network is a ResNet-18: shown beside the foveated ResNet-18 only
+            row = None if path == "grid" and model != "resnet18" else rows.get(
+                (model, path, mode, batch))
+            if row is None:
+                cells.append("")
+            elif path in ("accelerated", "accelerated+compile") and fovi is not None:
+                cells.append(f"{ms(row['median_ms'])} ms "
+                             f"({fovi['median_ms'] / row['median_ms']:.2f}x)")
+            else:
+                cells.append(f"{ms(row['median_ms'])} ms")
+        lines.append(f"| {MODELS[model]} | {batch} | {MODES[mode]} | " + " | ".join(cells) + " |")
+
+    def against_grid(batch: int) -> str:
+        return (f"{rows[('resnet18', 'accelerated', 'graph', batch)]['median_ms'] / rows[('resnet18', 'grid', 'graph', batch)]['median_ms']:.2f}x")  # noqa: E501
+
+    def memory(model: str) -> str:
+        ratios = [row["peak_mib"] / rows[(model, "fovi", mode, batch)]["peak_mib"]
+                  for (name, path, mode, batch), row in rows.items()
+                  if name == model and path == "accelerated" and row.get("peak_mib")
+                  and (model, "fovi", mode, batch) in rows]
+        return f"{min(ratios):.2f}-{max(ratios):.2f}x"
+
+    profiles = result["breakdown"]
+    batch = 2048
+
+    def profile(model: str) -> dict:
+        entries = profiles[model]["accelerated"]
+        entries = entries if isinstance(entries, list) else [entries]
+        return next(e for e in entries if e["batch"] == batch)["ms_per_step"]
+
+    resnet, alexnet = profile("resnet18"), profile("alexnet")
+    spent = ", ".join(f"{label} {resnet[key]:.1f} ms" for key, label in CATEGORIES)
+    lines += ["", "Speedups are over fovi's own path in the same mode. Replayed as CUDA graphs "
+              "(GPU time alone), the accelerated foveated ResNet-18 costs "
+              f"{against_grid(2048)} the grid network of the same pixels at B = 2048 and "
+              f"{against_grid(512)} at B = 512; its peak memory is {memory('resnet18')} fovi's, "
+              f"AlexNet's {memory('alexnet')}. Where the accelerated ResNet-18's GPU time goes "
+              f"at B = {batch} (torch.profiler): {spent}; AlexNet's is "
+              f"{alexnet['knn_conv']:.0f} of {sum(alexnet.values()):.0f} ms in its KNN "
+              "convolutions (the JSON lists the heaviest kernels by name)."]
+    return wrap(lines)
+
+
+def anchor_summaries(summary: dict) -> dict[str, dict]:
+    """bench_anchor.py's summary per knnconv backend (files written before it timed several
+    backends hold one summary, the cuda backend's)."""
+    return summary if "train_fresh_speedup_geomean" not in summary else {"cuda": summary}
+
+
+BACKEND_LABELS = {"cuda": "`cuda`", "triton": "`triton`",
+                  "triton/contiguous": "`triton`, x contiguous as fovi passes it",
+                  "best_native": "the faster of `cuda` and `triton` per cell"}
+
+
+def per_layer() -> str:
+    anchor = anchor_summaries(load("h200_anchor.json")["summary"])
+    bench = load("h200.json")
+    lines = ["| per layer, geometric mean | training step | forward |", "|---|---|---|"]
+    for backend, entry in anchor.items():
+        lines.append(
+            f"| {BACKEND_LABELS[backend]}: speedup over fovi 2.4.0's kernels timed in the same "
+            f"run, fresh operands ({entry['cells']} cells; {entry['train_fresh_cells_slower']} "
+            f"slower in training, {entry['forward_fresh_cells_slower']} in the forward) | "
+            f"{entry['train_fresh_speedup_geomean']:.2f}x | "
+            f"{entry['forward_fresh_speedup_geomean']:.2f}x |")
+    backends = sorted({r["backend"] for r in bench["rows"]} & {"cuda", "triton"})
+    for backend in backends:
+        cells = [r for r in bench["rows"] if r["backend"] == backend and r["status"] == "ok"
+                 and r["dtype"] == "float16"]
+        by_mode = {mode: {(r["layer"], r["batch"]): r for r in cells if r["mode"] == mode}
+                   for mode in ("train", "forward")}
+        large = [key for key, r in by_mode["train"].items() if r["floor_ms"] >= LARGE_FLOOR_MS
+                 and key in by_mode["forward"]]
+        if not large:
+            continue
+        train = [by_mode["train"][key]["pct_of_floor"] for key in large]
+        forward = [by_mode["forward"][key]["pct_of_floor"] for key in large]
+        lines.append(f"| {BACKEND_LABELS[backend]}: % of the roofline floor, large layers "
+                     f"(training floor >= {LARGE_FLOOR_MS} ms, {len(large)} cells) | "
+                     f"{geomean(train):.1f}% ({min(train):.1f}-{max(train):.1f}%) | "
+                     f"{geomean(forward):.1f}% |")
+    for backend, entry in anchor.items():
+        if backend in ("cuda", "best_native"):
+            lines.append(f"| {BACKEND_LABELS[backend]}: peak memory of a training step / "
+                         f"fovi's (same run) | {entry['peak_train_memory_ratio_geomean']:.2f}x | |")
+    return "\n".join(lines)
+
+
+def neighbourhood() -> str:
+    rows = load("h200_neighbourhood.json")["rows"]
+    times = {(r["backend"], r["op"], r["batch"], r["mode"]): r["median_ms"] for r in rows}
+    ratios = [times[("torch_compact", *key[1:])] / value for key, value in times.items()
+              if key[0] == "cuda"]
+    return wrap([f"KNN pooling and depthwise layers on the native kernels run "
+                 f"{min(ratios):.1f}-{max(ratios):.1f}x faster than the same layers in torch "
+                 "ops (`bench/results/h200_neighbourhood.json`)."])
+
+
+def wrap(lines: list[str], width: int = 92) -> str:
+    """Table lines kept as they are; prose lines filled to ``width`` columns."""
+    out = []
+    for line in lines:
+        if line.startswith("|") or not line:
+            out.append(line)
+            continue
+        current = ""
+        for word in line.split(" "):
+            if current and len(current) + 1 + len(word) > width:
+                out.append(current)
+                current = word
+            else:
+                current = f"{current} {word}" if current else word
+        out.append(current)
+    return "\n".join(out)
+
+
+BLOCKS = {"whole-models": whole_models, "per-layer": per_layer, "neighbourhood": neighbourhood}
+
+
+def pattern(name: str) -> re.Pattern:
+    return re.compile(rf"(<!-- generated: {name} -->\n)(.*?)(<!-- end: {name} -->)", re.S)
+
+
+def rewrite(text: str) -> str:
+    for name, block in BLOCKS.items():
+        text, count = pattern(name).subn(lambda m, b=block: m[1] + b() + "\n" + m[3], text)
+        if count != 1:
+            raise SystemExit(f"README.md has {count} '{name}' blocks, expected 1")
+    return text
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--write"]:
+        README.write_text(rewrite(README.read_text()))
+    else:
+        for name, block in BLOCKS.items():
+            print(f"<!-- generated: {name} -->\n{block()}\n<!-- end: {name} -->\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
