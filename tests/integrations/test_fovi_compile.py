@@ -168,7 +168,7 @@ def test_reduce_overhead_compiled_fovi_model_trains_as_eager_on_the_gpu():
     # the steps were replayed as CUDA graphs, not run as a compiled graph inductor declined
     # to record
     assert counters["inductor"]["cudagraph_skips"] == 0
-    assert all(layer.last_backend == "cuda" for layer in routed_layers(twin)
+    assert all(layer.last_backend in ("cuda", "triton") for layer in routed_layers(twin)
                if isinstance(layer, fovi_knn.KNNConvLayer))
     # The first step computes the same thing. Later ones drift apart by rounding alone (fp16
     # BatchNorm rounds differently once inductor fuses it), which this fast-falling loss

@@ -64,12 +64,12 @@ def test_published_alexnet_trains_under_float16_autocast_without_a_grad_scaler()
             assert torch.isfinite(parameter.grad).all(), f"step {step}: {name}'s gradient"
         optimizer.step()
 
-    # auto's native choice: the triton kernels for convolutions whose channel counts are
-    # multiples of 16 on Hopper and newer, the cuda kernels for the rest (the stem, the pools)
-    hopper = torch.cuda.get_device_capability(DEVICE) >= (9, 0)
-    expected = {name: "triton" if hopper and isinstance(layer, fovi_knn.KNNConvLayer)
-                and layer is not stem else "cuda" for name, layer in knn_layers.items()}
-    assert {name: layer.last_backend for name, layer in knn_layers.items()} == expected
+    # auto's native choice: the cuda kernels for the stem and the pools, and for the other
+    # convolutions the triton kernels where they serve and the call is large enough
+    for name, layer in knn_layers.items():
+        native = ("cuda", "triton") if (isinstance(layer, fovi_knn.KNNConvLayer)
+                                        and layer is not stem) else ("cuda",)
+        assert layer.last_backend in native, name
     first = stem_grads[0]
     assert first.dtype == torch.float16
     # the regime under test: the stem's output gradient reaches below float16's normal range

@@ -53,3 +53,18 @@ def test_a_named_cuda_backend_raises_with_the_reason(plan, device_reason):
     with pytest.raises(ValueError, match="backend 'cuda' cannot run this call: the 'cuda' "
                                          "backend needs CuPy"):
         dispatch.resolve_backend("cuda", plan, GPU, torch.float16, batch=4)
+
+
+def test_auto_takes_the_triton_kernels_only_for_calls_of_enough_work():
+    large_enough_for_triton = dispatch.large_enough_for_triton
+    plan = random_geometry(torch.Generator().manual_seed(2), nin=60, nout=30, k=9).plan(
+        cin=64, cout=64)
+    per_sample = 2 * plan.entry_count * plan.cin * plan.cout
+    enough = -(-int(dispatch.TRITON_MIN_FORWARD_FLOP) // per_sample)
+    assert large_enough_for_triton(plan, enough) and not large_enough_for_triton(plan, enough - 1)
+    assert large_enough_for_triton(plan, None)  # a symbolic batch under torch.compile
+    torch.use_deterministic_algorithms(True)
+    try:  # the cuda backend refuses its atomics there: the deterministic kernels serve
+        assert large_enough_for_triton(plan, 1)
+    finally:
+        torch.use_deterministic_algorithms(False)

@@ -44,8 +44,8 @@ def resolve_backend(name: str, plan: GeometryPlan, device: torch.device, dtype: 
     An explicitly named backend that cannot serve the call raises; it never falls back.
     Auto takes the measured choice for a convolution's cell when autotuning is on (see
     knnconv.ops.autotune; ``batch`` is needed for it), else the first native backend of
-    NATIVE_ORDER that serves the call on CUDA tensors, else the torch backend of
-    :func:`torch_policy`. ``backward``:
+    NATIVE_ORDER that serves the call on CUDA tensors (the triton backend only for calls of
+    enough work), else the torch backend of :func:`torch_policy`. ``backward``:
     whether the call's gradients will be computed (see KNNConvOps.unsupported_reason).
     """
     if name == "auto":
@@ -54,7 +54,7 @@ def resolve_backend(name: str, plan: GeometryPlan, device: torch.device, dtype: 
             if tuned is not None:
                 return get_ops(tuned)
         if device.type == "cuda":
-            native = _native_choice(plan, device, dtype, backward)
+            native = _native_choice(plan, device, dtype, backward, batch)
             if native is not None:
                 return native
         return get_ops(torch_policy(plan, device, batch))
@@ -66,16 +66,37 @@ def resolve_backend(name: str, plan: GeometryPlan, device: torch.device, dtype: 
 
 
 # The native backends auto tries on CUDA tensors, in this order: the TMA-fed Triton kernels
-# where they serve (compute capability 9.0+, channel counts multiples of 16), then the NVRTC
-# kernels (sm_80+, every layer).
+# where they serve (compute capability 9.0+, channel counts multiples of 16) and the call is
+# large enough, then the NVRTC kernels (sm_80+, every layer).
 NATIVE_ORDER = ("triton", "cuda")
+# The triton backend's kernels reach 40-50% of the training floor on large layers against the
+# cuda backend's 30%, but each of its calls costs more host time (an eager training step of a
+# small layer about 0.9-1.4 ms against 0.4-0.8 ms on one H200). Its eager training step was
+# the faster one on the published layers from about 100 GFLOP of forward work up (2 * B *
+# real entries * Cin * Cout; 1.35-1.5x there, 0.7-0.85x at 33-48 GFLOP): below that auto
+# keeps the cuda kernels (bench/results/h200.json).
+TRITON_MIN_FORWARD_FLOP = 100e9
+
+
+def large_enough_for_triton(plan: GeometryPlan, batch) -> bool:
+    """Whether a convolution call has the work at which the triton backend's kernels repay
+    their host cost (see TRITON_MIN_FORWARD_FLOP); True when the batch is not a known int
+    (under torch.compile, where steps replay as graphs and host time matters less) and under
+    deterministic algorithms (where the cuda backend's backward is refused)."""
+    if not isinstance(batch, int) or torch.are_deterministic_algorithms_enabled():
+        return True
+    return 2 * batch * plan.entry_count * plan.cin * plan.cout >= TRITON_MIN_FORWARD_FLOP
 
 
 def _native_choice(plan: GeometryPlan, device: torch.device, dtype: torch.dtype,
-                   backward: bool) -> KNNConvOps | None:
-    """The first native backend of NATIVE_ORDER that serves the call, or None (after warning
-    once where the cuda backend cannot run on the device at all)."""
+                   backward: bool, batch) -> KNNConvOps | None:
+    """The first native backend of NATIVE_ORDER that serves the call (triton only where
+    :func:`large_enough_for_triton`), or None (after warning once where the cuda backend
+    cannot run on the device at all)."""
     for name in NATIVE_ORDER:
+        if name == "triton" and not (isinstance(plan, KNNConvPlan)
+                                     and large_enough_for_triton(plan, batch)):
+            continue
         if name in available_backends():
             ops = get_ops(name)
             if ops.unsupported_reason(plan, device, dtype, backward=backward) is None:
