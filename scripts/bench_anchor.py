@@ -245,7 +245,10 @@ def summarize(rows: list[dict]) -> dict:
             ratios = [a[f"{mode}_ms"] / c[f"{mode}_ms"] for c, a in pairs]
             entry[f"{mode}_speedup_geomean"] = geomean(ratios)
             entry[f"{mode}_cells_slower"] = sum(r < 1 for r in ratios)
-        memory = [c["peak_train_mib"] / a["peak_train_mib"] for c, a in pairs]
+        # a tiny layer's step may allocate nothing beyond what was held before it (a peak of
+        # 0 MiB): it has no memory ratio
+        memory = [c["peak_train_mib"] / a["peak_train_mib"] for c, a in pairs
+                  if c["peak_train_mib"] > 0 and a["peak_train_mib"] > 0]
         entry["peak_train_memory_ratio_geomean"] = geomean(memory)
         entry["peak_train_memory_ratio_range"] = [min(memory), max(memory)]
         entry["cells_with_more_peak_memory"] = sum(m > 1 for m in memory)
