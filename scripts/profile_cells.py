@@ -4,6 +4,7 @@ and the host wall time per call, for a few geometry cells.
     python scripts/profile_cells.py GEOMETRY_DIR LAYER_SUBSTR:BATCH [...]
 
 With KNNCONV_CPROFILE=1 it also prints the host-side Python profile of the training step.
+KNNCONV_PROFILE_BACKEND names the backend profiled (default cuda).
 With KNNCONV_NCU=1 it only runs a few training steps (a target for Nsight Compute, whose
 counters cannot share the GPU with torch.profiler).
 """
@@ -24,6 +25,9 @@ import knnconv
 from knnconv.tools.bench import load_geometry_dir, random_inputs, reads_image
 
 
+BACKEND = os.environ.get("KNNCONV_PROFILE_BACKEND", "cuda")
+
+
 def profile_cell(layer, batch: int) -> None:
     device = torch.device("cuda")
     plan = layer.plan()
@@ -34,7 +38,7 @@ def profile_cell(layer, batch: int) -> None:
 
     def step():  # gradients cleared first, as a training step's zero_grad does
         inputs.clear_grads()
-        y = knnconv.knn_conv(x, weight, bias, plan, "cuda")
+        y = knnconv.knn_conv(x, weight, bias, plan, BACKEND)
         y.backward(grad)
 
     def forward():
