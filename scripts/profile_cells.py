@@ -24,7 +24,6 @@ from torch.profiler import ProfilerActivity, profile
 import knnconv
 from knnconv.tools.bench import load_geometry_dir, random_inputs, reads_image
 
-
 BACKEND = os.environ.get("KNNCONV_PROFILE_BACKEND", "cuda")
 
 
@@ -43,7 +42,7 @@ def profile_cell(layer, batch: int) -> None:
 
     def forward():
         with torch.no_grad():
-            knnconv.knn_conv(x, weight, bias, plan, "cuda")
+            knnconv.knn_conv(x, weight, bias, plan, BACKEND)
 
     for _ in range(3):
         step()
