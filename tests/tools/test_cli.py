@@ -2,6 +2,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,17 @@ def test_check_passes_every_cpu_backend_in_every_dtype(capsys):
                       for dtype in cli.DTYPES}
     assert all(row["result"] == "PASS" for row in rows)
     assert output.rstrip().endswith("all checks passed")
+
+
+def test_check_warns_about_nothing_it_builds_itself():
+    """The check's own geometries (K > Nin among them) are deliberate: no warning may open
+    its report."""
+    assert any(k > nin for nin, _, k, *_ in cli.CHECK_GEOMETRIES)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cli.main(["check", "--device", "cpu", "--dtype", "float64", "--repeats", "1"]) == 0
+
+    assert [str(warning.message) for warning in caught] == []
 
 
 def test_check_fails_a_wrong_backend(capsys, broken_backend):

@@ -531,54 +531,96 @@ def print_summary(summary: dict[str, Any]) -> None:
               f"{entry['mode']:<14} {entry['geomean']:6.3g}x  ({entry['cells']} cells)")
 
 
-def plot_rows(rows: list[dict[str, Any]], path: Path) -> bool:
-    """% of floor (and speedup vs anchor, when known) per cell and backend/mode; False if
-    matplotlib is missing, so a long GPU run still writes its json and csv."""
+def plot_rows(rows: list[dict[str, Any]], path: Path, *, device: str | None = None) -> bool:
+    """% of floor (and speedup vs anchor, when known) per cell and backend/mode, one row of
+    panels per model (the part of the layer name before ':'); False if matplotlib is missing,
+    so a long GPU run still writes its json and csv.
+
+    Cells run down the y axis, so their names read horizontally at a legible size however
+    many there are; the figure grows with them."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
         return False
     cells = list(dict.fromkeys((r["layer"], r["batch"], r["dtype"]) for r in rows))
-    position = {cell: i for i, cell in enumerate(cells)}
-    series = list(dict.fromkeys((r["backend"], r["mode"]) for r in rows))
-    backends = list(dict.fromkeys(backend for backend, _ in series))
+    dtypes = list(dict.fromkeys(dtype for _, _, dtype in cells))
+    by_model = defaultdict(list)  # model -> its cells, in the order they ran
+    for cell in cells:
+        by_model[cell[0].partition(":")[0]].append(cell)
+
+    def cell_label(cell: tuple[str, int, str]) -> str:
+        layer, batch, dtype = cell
+        # The panel's title names the model and the figure's the dtype, where there is one.
+        label = f"{layer.partition(':')[2] or layer} B={batch}"
+        return label if len(dtypes) == 1 else f"{label} {dtype}"
+
     # without ceilings (they are measured on CUDA only) there is no floor: plot the times
     has_floor = any(r["pct_of_floor"] is not None for r in rows)
     panels = [("pct_of_floor", "% of roofline floor") if has_floor
               else ("median_ms", "median time per call (ms)")]
     if any(r["speedup_vs_anchor"] is not None for r in rows):
         panels.append(("speedup_vs_anchor", "speedup vs anchor (x)"))
-    figure = Figure(figsize=(max(8.0, 0.15 * len(cells)), 3.0 + 4.0 * len(panels)))
+    # Series of measured rows only, so a backend that served nothing takes no colour.
+    series = list(dict.fromkeys((r["backend"], r["mode"]) for r in rows
+                                if any(r[field] is not None for field, _ in panels)))
+    backends = list(dict.fromkeys(backend for backend, _ in series))
+    modes = list(dict.fromkeys(mode for _, mode in series))
+
+    # Inches: 0.17 a cell fits its 8 pt label; each row of panels adds its title and x axis.
+    label_width = 0.065 * max(len(cell_label(cell)) for cell in cells)
+    figure = Figure(figsize=(max(8.0, 1.0 + label_width + 4.5 * len(panels)),
+                             1.4 + sum(0.9 + 0.17 * len(model_cells)
+                                       for model_cells in by_model.values())),
+                    layout="constrained")
     FigureCanvasAgg(figure)
-    axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
-    for axis, (field, label) in zip(axes, panels, strict=True):
-        plotted = False
-        for number, (backend, mode) in enumerate(series):
-            # Each series sits slightly off the cell's tick so equal values stay visible.
-            shift = 0.6 * ((number + 0.5) / len(series) - 0.5)
-            points = [(position[(r["layer"], r["batch"], r["dtype"])] + shift, r[field])
-                      for r in rows
-                      if (r["backend"], r["mode"]) == (backend, mode) and r[field] is not None]
-            if points:
-                xs, ys = zip(*points, strict=True)
-                axis.scatter(xs, ys, s=14, marker="o" if mode == "forward" else "s",
-                             color=f"C{backends.index(backend)}", label=f"{backend} {mode}")
-                plotted = True
-        if plotted:
-            axis.set_yscale("log")
-            axis.legend(fontsize=7)
-        else:
-            axis.text(0.5, 0.5, "nothing measured", ha="center", va="center",
-                      transform=axis.transAxes)
-        if field == "speedup_vs_anchor":
-            axis.axhline(1.0, color="gray", linewidth=0.8)
-        axis.set_ylabel(label)
-        axis.grid(True, which="both", axis="y", alpha=0.3)
-    axes[-1].set_xticks(range(len(cells)))
-    axes[-1].set_xticklabels([f"{layer} B={batch} {dtype}" for layer, batch, dtype in cells],
-                             rotation=90, fontsize=5)
-    figure.tight_layout()
+    axes = figure.subplots(len(by_model), len(panels), squeeze=False, sharex="col",
+                           sharey="row", gridspec_kw={"height_ratios": [
+                               len(model_cells) + 5 for model_cells in by_model.values()]})
+    legend = {}  # label -> handle, over every panel (not each shows every series)
+    for row_axes, (model, model_cells) in zip(axes, by_model.items(), strict=True):
+        position = {cell: i for i, cell in enumerate(model_cells)}
+        layers = list(dict.fromkeys(layer for layer, _, _ in model_cells))
+        for axis, (field, label) in zip(row_axes, panels, strict=True):
+            # Every other layer's cells on a grey band, so its batch sizes read as one group.
+            for cell, i in position.items():
+                if layers.index(cell[0]) % 2:
+                    axis.axhspan(i - 0.5, i + 0.5, color="0.93", zorder=0)
+            plotted = False
+            for number, (backend, mode) in enumerate(series):
+                # Each series sits slightly off the cell's line so equal values stay visible.
+                shift = 0.6 * ((number + 0.5) / len(series) - 0.5)
+                points = [(r[field], position[(r["layer"], r["batch"], r["dtype"])] + shift)
+                          for r in rows if r["layer"].partition(":")[0] == model
+                          and (r["backend"], r["mode"]) == (backend, mode)
+                          and r[field] is not None]
+                if points:
+                    xs, ys = zip(*points, strict=True)
+                    legend.setdefault(f"{backend} {mode}", axis.scatter(
+                        xs, ys, s=14, marker="os^Dv<>"[modes.index(mode) % 7],
+                        color=f"C{backends.index(backend)}"))
+                    plotted = True
+            if plotted:
+                axis.set_xscale("log")
+            else:
+                axis.text(0.5, 0.5, "nothing measured", ha="center", va="center",
+                          transform=axis.transAxes)
+            if field == "speedup_vs_anchor":
+                axis.axvline(1.0, color="gray", linewidth=0.8)
+            axis.set_title(model, fontsize=9, loc="left")
+            axis.set_xlabel(label, fontsize=8)
+            # Shared columns hide the inner panels' values; each panel keeps its own.
+            axis.tick_params(labelbottom=True, labelsize=8)
+            axis.grid(True, which="both", axis="x", alpha=0.3)
+        row_axes[0].set_yticks(range(len(model_cells)),
+                               [cell_label(cell) for cell in model_cells], fontsize=8)
+        row_axes[0].set_ylim(len(model_cells) - 0.5, -0.5)  # the first cell at the top
+        row_axes[0].set_ylabel("layer, batch size", fontsize=8)
+    if legend:
+        figure.legend(legend.values(), legend.keys(), loc="outside lower center",
+                      ncols=min(len(legend), 4), fontsize=8)
+    figure.suptitle(f"knnconv per layer{f' on {device}' if device else ''}, "
+                    f"{', '.join(dtypes)}\n{' and '.join(label for _, label in panels)}")
     figure.savefig(path, dpi=120)
     return True
 
@@ -594,7 +636,7 @@ def write_outputs(out_dir: Path, name: str, meta: dict[str, Any],
         writer.writeheader()
         writer.writerows(rows)
     written = [json_path, csv_path]
-    if plot_rows(rows, png_path):
+    if plot_rows(rows, png_path, device=meta.get("device")):
         written.append(png_path)
     else:
         print(f"matplotlib is not installed: {png_path} not written")

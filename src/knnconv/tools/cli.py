@@ -146,10 +146,21 @@ def print_skips(unsupported: Counter, cases: int) -> None:
 
 def random_geometry(generator: torch.Generator, nin: int, nout: int, k: int,
                     padding: float) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """KNN tables of random points, with a fraction of neighbours replaced by padding."""
+    """KNN tables of random points, with a fraction of neighbours replaced by padding.
+
+    Where ``k > nin`` the last ``k - nin`` slots are padding (index ``nin``, cell 0) on a
+    kernel grid sized for ``k``: the tables knn_geometry builds then, appended here because
+    knn_geometry warns about such a ``k`` as a likely mistake, and the check means it.
+    """
     in_coords = torch.rand(nin, 2, generator=generator, dtype=torch.float64)
     out_coords = torch.rand(nout, 2, generator=generator, dtype=torch.float64)
-    knn_indices, rf_index, v = knn_geometry(in_coords, out_coords, k)
+    real = min(k, nin)
+    knn_real, rf_real, v = knn_geometry(in_coords, out_coords, real,
+                                        ref_side=math.isqrt(k - 1) + 1)
+    knn_indices = torch.full((k, nout), nin, dtype=torch.int64)
+    knn_indices[:real] = knn_real
+    rf_index = torch.zeros((nout, k), dtype=torch.int64)
+    rf_index[:, :real] = rf_real
     knn_indices[torch.rand(knn_indices.shape, generator=generator) < padding] = nin
     return knn_indices, rf_index, v
 

@@ -37,6 +37,7 @@ CLASSES = 10
 # A stratified split needs at least one test digit per class.
 MIN_DIGITS = round(CLASSES / TEST_FRACTION)
 PEAK_LEARNING_RATE = 1e-2
+SENSOR_TICKS = (-1.0, -0.5, 0.0, 0.5, 1.0)  # foveated_stack's sensor fills the unit disc
 
 
 @dataclass
@@ -199,6 +200,10 @@ def plot(path: Path, sensor: torch.Tensor, data: SensorDigits, shown: int,
     intensities = sample_images(data.images[shown:shown + 1], sensor)[0, 0].numpy()
     for axes in (pattern, view):
         axes.set_aspect("equal")
+        # Ticks every 0.5 over the unit field of view: matplotlib's default 0.25 steps print
+        # labels wider than their spacing at this panel size, and they run together.
+        axes.set_xticks(SENSOR_TICKS)
+        axes.set_yticks(SENSOR_TICKS)
         axes.invert_yaxis()  # y grows down the image rows, as sample_images reads them
         axes.set_xlabel("x")
         axes.set_ylabel("y")
@@ -212,6 +217,7 @@ def plot(path: Path, sensor: torch.Tensor, data: SensorDigits, shown: int,
     epochs = range(1, len(history.loss) + 1)
     curves.plot(epochs, history.loss, "o-", color="tab:red", label="training loss")
     curves.set_xlabel("epoch")
+    curves.xaxis.get_major_locator().set_params(integer=True)  # no fractional epochs
     curves.set_ylabel("training loss")
     accuracy_axes = curves.twinx()
     accuracy_axes.plot(epochs, history.train_accuracy, "s-", color="tab:green",
@@ -224,7 +230,6 @@ def plot(path: Path, sensor: torch.Tensor, data: SensorDigits, shown: int,
     curves.legend(lines, [line.get_label() for line in lines], loc="center right")
     curves.set_title("training")
     path.parent.mkdir(parents=True, exist_ok=True)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
 
 
