@@ -6,6 +6,7 @@ kernels read (see :func:`boxable`); the weight is laid out by cell here, once pe
 from __future__ import annotations
 
 import math
+from functools import cache
 
 import torch
 import triton
@@ -49,14 +50,19 @@ def _poisoned_or_empty(shape, dtype, device, poison: bool) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+# The tiles of a call depend on its sizes alone: worked out once per size (the host path of a
+# small layer is as long as its kernels)
+@cache
 def forward_tile(batch: int, cin: int, cout: int, nout: int) -> TileConfig:
     return tile_config("forward", batch=batch, n=cout, nodes=nout, contracted_channels=cin)
 
 
+@cache
 def grad_input_tile(batch: int, cin: int, cout: int, nin: int) -> TileConfig:
     return tile_config("grad_input", batch=batch, n=cin, nodes=nin, contracted_channels=cout)
 
 
+@cache
 def grad_weight_tile(batch: int, cin: int, cout: int) -> TileConfig:
     return tile_config("grad_weight", batch=batch, n=cout, rows=cin)
 
