@@ -32,8 +32,10 @@ import torch
 import knnconv
 import knnconv.functional
 import knnconv.ops.cuda
+import knnconv.ops.cuda.gemm
 import knnconv.ops.cuda.launch
-from knnconv.ops.cuda.launch import _Transpose
+import knnconv.ops.cuda.relayout
+from knnconv.ops.cuda.launch import Transpose
 from knnconv.tools.bench import load_geometry_dir, random_inputs, time_calls
 
 DEVICE = torch.device("cuda")
@@ -75,12 +77,14 @@ STAGES = (
     (knnconv.functional.KNNConvFunction, "backward", "Function.backward"),
     (knnconv.ops.cuda.CudaOps, "forward_saving", "CudaOps.forward_saving"),
     (knnconv.ops.cuda.CudaOps, "gradients", "CudaOps.gradients"),
-    (knnconv.ops.cuda.launch.ForwardLaunch, "run", "ForwardLaunch.run"),
-    (knnconv.ops.cuda.launch.BackwardLaunch, "run", "BackwardLaunch.run"),
-    (knnconv.ops.cuda.launch, "_launch", "kernel launches"),
-    (knnconv.ops.cuda.launch, "_zero", "memsets"),
-    (knnconv.ops.cuda.launch.torch, "empty", "torch.empty (any Python caller)"),
-    (knnconv.ops.cuda.launch.torch, "empty_strided", "torch.empty_strided (any caller)"),
+    (knnconv.ops.cuda.gemm.ForwardLaunch, "run", "ForwardLaunch.run"),
+    (knnconv.ops.cuda.gemm.BackwardLaunch, "run", "BackwardLaunch.run"),
+    (knnconv.ops.cuda.launch, "launch_kernel", "kernel launches"),
+    # a memset is issued by the module that calls it: x's re-layout, the backward's workspace
+    (knnconv.ops.cuda.relayout, "memset_zero", "memsets"),
+    (knnconv.ops.cuda.gemm, "memset_zero", "memsets"),
+    (knnconv.ops.cuda.gemm.torch, "empty", "torch.empty (any Python caller)"),
+    (knnconv.ops.cuda.gemm.torch, "empty_strided", "torch.empty_strided (any caller)"),
 )
 
 
@@ -151,8 +155,8 @@ def main(argv: list[str]) -> None:
 
     small = torch.zeros(1024, device=DEVICE)
     buffer = torch.empty(2 * 64 * 64, dtype=torch.float16, device=DEVICE)  # source | target
-    relayout = _Transpose(torch.float16, torch.float16, DEVICE.index or 0, (1, 64, 64),
-                          (1, 64, 64), (0, 64))
+    relayout = Transpose(torch.float16, torch.float16, DEVICE.index or 0, (1, 64, 64),
+                         (1, 64, 64), (0, 64))
     source = buffer.data_ptr()
 
     def launch():

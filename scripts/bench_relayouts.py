@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from knnconv.ops.cuda.launch import _Transpose
+from knnconv.ops.cuda.launch import Transpose
 from knnconv.tools.bench import graph_replay_ms
 
 DEVICE = torch.device("cuda")
@@ -45,8 +45,8 @@ def case(name, src, src_strides, src_extents, dst_extents, dst_strides, dst_dtyp
     """One re-layout (transpose_pad or transpose_pairs, whichever the call takes) against
     torch_copy() moving the same bytes."""
     index = DEVICE.index or 0
-    relayout = _Transpose(src.dtype, dst_dtype, index, src_extents, dst_extents, dst_strides,
-                          sums_z=with_sums)
+    relayout = Transpose(src.dtype, dst_dtype, index, src_extents, dst_extents, dst_strides,
+                         sums_z=with_sums)
     dst_z, dst_c = dst_extents[0], dst_extents[2]
     dst = torch.empty(dst_z * dst_c * dst_extents[1], dtype=dst_dtype, device=DEVICE)
     sums = torch.zeros(src_extents[0], dtype=torch.float32, device=DEVICE)

@@ -24,8 +24,8 @@ from knnconv.ops.cuda.configs import (
     ARCHITECTURE_FAMILIES,
     WALKING_MAX_THREADS,
     KernelConfig,
-    _rules,
     check_config,
+    tile_rules,
 )
 from knnconv.tools.bench import graph_replay_ms
 
@@ -40,7 +40,8 @@ WALKS = (None, 1, 4)  # nodes per CTA; None: the default
 
 
 def candidates(width: int, capability) -> list[tuple[str, KernelConfig]]:
-    found = {("gather_cl", KernelConfig(*rule["config"])) for rule in _rules()["gather_cl"]}
+    found = {("gather_cl", KernelConfig(*rule["config"]))
+             for rule in tile_rules()["gather_cl"]}
     found |= {("gather_cl", cfg) for cfg in GATHER_EXTRA}
     if tuple(capability) == ARCHITECTURE_FAMILIES[WGMMA]:
         found |= {(WGMMA, KernelConfig(64, bn, bk, rb, 4 * rb, 1, stages, True, 8))

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from knnconv.ops import cuda as knn_cuda
-from knnconv.ops.cuda import launch, launch_plan
+from knnconv.ops.cuda import launch_plan, relayout
 from knnconv.ops.cuda.configs import WALKING_MAX_THREADS, KernelConfig, check_config
 from knnconv.tools.bench import graph_replay_ms, load_geometry_dir
 
@@ -66,7 +66,7 @@ def tune_cell(layer, batch: int) -> list[dict]:
                                             tables.weight_linear, cfg, nodes_per_cta=nodes)
             else:
                 need_input = family != "grad_weight"
-                saved = launch.transposed_input(
+                saved = relayout.transposed_input(
                     x, launch_plan.padded_batch(batch, ("grad_weight", cfg)), torch.float16)
 
                 def call(cfg=cfg, need_input=need_input, saved=saved, family=family,

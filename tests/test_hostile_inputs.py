@@ -12,6 +12,7 @@ import knnconv
 from conftest import CPU_BACKENDS, oracle_knn_conv, random_geometry, random_inputs, rel_err
 from knnconv import compact_tables, knn_conv, make_plan
 from knnconv.ops import cuda as knn_cuda
+from knnconv.ops.cuda import backend as cuda_backend
 from knnconv.ops.cuda.configs import KernelConfig, check_config, shared_memory_bytes
 from knnconv.plan import INT32_MAX
 
@@ -252,8 +253,8 @@ def test_missing_cupy_says_how_to_install(plan, monkeypatch, gpu_without_device_
 
 def test_old_gpu_is_refused_with_its_capability(plan, monkeypatch, gpu_without_device_queries):
     monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
-    monkeypatch.setattr(knn_cuda, "nvrtc_mismatch", lambda cupy: None)
-    monkeypatch.setattr(knn_cuda, "cuda_include_dir", lambda: "/usr/local/cuda/include")
+    monkeypatch.setattr(cuda_backend, "nvrtc_mismatch", lambda cupy: None)
+    monkeypatch.setattr(cuda_backend, "cuda_include_dir", lambda: "/usr/local/cuda/include")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (7, 5))
 
     reason = knn_cuda.CudaOps().unsupported_reason(plan, CUDA_DEVICE, torch.bfloat16)

@@ -14,7 +14,7 @@ import torch
 import knnconv.plan
 from conftest import CPU_BACKENDS, random_geometry, random_inputs
 from knnconv import knn_conv
-from knnconv.ops.cuda import _RecentLaunches
+from knnconv.ops.cuda.backend import RecentLaunches
 
 THREADS = 8
 
@@ -150,7 +150,7 @@ def test_plan_caches_do_not_grow_across_calls(rng, plan):
 
 
 def test_recent_launch_plans_stay_bounded_and_keep_the_hot_one():
-    launches, builds = _RecentLaunches(), collections.Counter()
+    launches, builds = RecentLaunches(), collections.Counter()
 
     def get(batch):
         def build():
@@ -163,7 +163,7 @@ def test_recent_launch_plans_stay_bounded_and_keep_the_hot_one():
         assert get(batch) == batch
         assert get(1) == 1  # a batch size used every step stays cached
 
-    assert len(launches._plans) == _RecentLaunches.LIMIT
+    assert len(launches._plans) == RecentLaunches.LIMIT
     assert builds[1] == 1
 
 

@@ -19,7 +19,6 @@ from knnconv.ops.cuda.build import (
     KERNEL_DIR,
     KERNEL_SOURCE,
     kernel_code,
-    kernel_name,
     neighbourhood_name,
     nvrtc_options,
     transpose_name,
@@ -29,9 +28,10 @@ from knnconv.ops.cuda.configs import (
     CHANNELS_LAST_FAMILIES,
     FAMILIES,
     KernelConfig,
-    _rules,
     check_config,
+    tile_rules,
 )
+from knnconv.ops.cuda.launch_plan import kernel_name
 from knnconv.ops.cuda.neighbourhood import POOL_MODE_CODES, channel_vectors
 
 ARCHITECTURES = ("sm_80", "sm_90", "sm_120")
@@ -41,7 +41,7 @@ NVCC = shutil.which("nvcc")
 def default_instantiations() -> list[str]:
     names = set()
     for family in FAMILIES:
-        for rule in _rules()[family]:
+        for rule in tile_rules()[family]:
             cfg = check_config(family, KernelConfig(*rule["config"]))
             for dtype in (torch.float16, torch.bfloat16):
                 names.add(kernel_name(family, dtype, cfg))
@@ -50,7 +50,7 @@ def default_instantiations() -> list[str]:
                 if family == "grad_weight":  # reading channels-last grad_y in place
                     names.add(kernel_name(family, dtype, cfg, grad_in_place=True))
     for family in CHANNELS_LAST_FAMILIES:
-        for rule in _rules()[family]:
+        for rule in tile_rules()[family]:
             cfg = check_config(family, KernelConfig(*rule["config"]))
             for dtype in (torch.float16, torch.bfloat16):
                 names.add(kernel_name(family, dtype, cfg))
@@ -79,7 +79,7 @@ def architecture_instantiations(family: str) -> list[str]:
     """Every kernel the default rules of an architecture-specific family can pick (the dx
     instantiation stores float32 too)."""
     names = set()
-    for rule in _rules()[family]:
+    for rule in tile_rules()[family]:
         cfg = check_config(family, KernelConfig(*rule["config"]))
         for dtype in (torch.float16, torch.bfloat16):
             names.update(kernel_name(family, dtype, cfg, out)
@@ -109,7 +109,7 @@ def test_every_tile_rule_is_a_valid_config():
     # default_instantiations raises on an invalid rule; every family must have rules, and
     # each distinct (family, config) gives one kernel per dtype (grad_input two: dx staged in
     # float32 or in the compute dtype; grad_weight two: grad_y re-laid out or read in place).
-    rules = _rules()
+    rules = tile_rules()
     assert all(rules[family] for family in FAMILIES)
     configs = {(family, tuple(rule["config"])) for family in FAMILIES for rule in rules[family]}
     per_dtype = sum(2 if family in ("grad_input", "grad_weight") else 1

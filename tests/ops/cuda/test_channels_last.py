@@ -54,12 +54,6 @@ def test_a_channel_tile_that_does_not_divide_an_entrys_channels_is_refused(famil
         configs.check_config(family, configs.KernelConfig(*cfg), width=width)
 
 
-def test_the_channels_last_kernels_serve_channel_counts_of_their_smallest_tile():
-    assert configs.channels_last_width_multiple() == 16
-    assert channels_last.serves(64, 80) and channels_last.serves(16, 16)
-    assert not channels_last.serves(3, 64) and not channels_last.serves(64, 70)
-
-
 def test_the_backward_of_an_in_place_forward_keeps_x_itself():
     # torch.compile allocates what the forward keeps from saved_layout (the fake
     # implementation): None, x itself, for a channels-last x the kernels read in place; a

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("cupy")
 
 from knnconv.ops import cuda as knn_cuda  # noqa: E402
-from knnconv.ops.cuda import channels_last  # noqa: E402
+from knnconv.ops.cuda import channels_last, launch  # noqa: E402
 from knnconv.ops.registry import channels_fastest  # noqa: E402
 
 DTYPES = (torch.float16, torch.bfloat16)
@@ -119,8 +119,8 @@ def test_every_output_matches_float64(dtype, name):
 def test_every_tile_rule_and_walk_length_matches_float64(dtype):
     # Cin = 384 suits every rule's channel tile (16 ... 128, and 96); Nout = 37 leaves a
     # ragged last CTA
-    gather = [configs.KernelConfig(*r["config"]) for r in configs._rules()["gather_cl"]]
-    weight = [configs.KernelConfig(*r["config"]) for r in configs._rules()["grad_weight_cl"]]
+    gather = [configs.KernelConfig(*r["config"]) for r in configs.tile_rules()["gather_cl"]]
+    weight = [configs.KernelConfig(*r["config"]) for r in configs.tile_rules()["grad_weight_cl"]]
     for index in range(max(len(gather), len(weight))):
         case = make_case(100 + index, batch=70, cin=384, cout=128, dtype=dtype, nin=50,
                          nout=37, k=9, padding=0.2, collisions=True, v=16)
@@ -148,7 +148,7 @@ WGMMA_CASES = {
 def test_every_warpgroup_mma_rule_matches_float64(dtype, name):
     # every rule, as the forward and, where its channel tile divides Cout, as dx (stored in
     # float32), walking one to three nodes a CTA
-    for index, rule in enumerate(configs._rules()[WGMMA]):
+    for index, rule in enumerate(configs.tile_rules()[WGMMA]):
         cfg = configs.KernelConfig(*rule["config"])
         case = WGMMA_CASES[name]
         dx_too = case["cout"] % cfg.bk == 0
@@ -184,7 +184,7 @@ def test_a_batch_slice_and_a_contiguous_grad_y_are_read_correctly():
     plan, x, weight, bias, grad_y = make_case(8, batch=40, cin=64, cout=64,
                                               dtype=torch.bfloat16, nin=50, nout=19, k=9)
     x_slice, grad_slice = x[8:29], grad_y[8:29]  # batch stride of the full buffer
-    assert channels_last.readable(x_slice)
+    assert launch.readable(x_slice)
     expected = reference(plan, x_slice, weight, bias, grad_slice)
     y, dx, dw, db = run_both(plan, x_slice, weight, bias, grad_slice.contiguous())
     assert rel_err(y, expected[0]) < FORWARD_TOLERANCE[torch.bfloat16]
@@ -229,7 +229,7 @@ def test_an_unaligned_channels_last_x_is_served_and_the_backward_gets_x():
     storage = torch.empty(5 * 20 * 32 + 1, dtype=torch.float16, device=DEVICE)
     shifted = storage[1:].view(5, 20, 32).transpose(1, 2)  # 2 bytes off 16-byte alignment
     shifted.copy_(x)
-    assert channels_fastest(shifted) and not channels_last.readable(shifted)
+    assert channels_fastest(shifted) and not launch.readable(shifted)
     ops = knn_cuda.CudaOps()
     y, saved = ops.forward_saving(plan, shifted, weight, bias)
     assert saved is shifted

@@ -7,16 +7,17 @@ import pytest
 from knnconv.ops.cuda.configs import (
     MAX_NODES_PER_CTA,
     KernelConfig,
-    _choose,
-    _rules,
     block_threads,
+    channels_last_serves,
+    channels_last_width_multiple,
     check_config,
+    choose_config,
     default_config,
-    default_gather_cl_choice,
     default_grad_input_config,
     default_grad_weight_config,
     default_nodes_per_cta,
     shared_memory_bytes,
+    tile_rules,
 )
 
 
@@ -58,8 +59,8 @@ def test_few_node_layers_fall_through_to_tiles_that_launch_enough_ctas():
                                             ("grad_input", 128, 60), ("grad_input", 384, 60)])
 @pytest.mark.parametrize("batch", [65, 128, 512, 2048])
 def test_a_rule_with_min_ctas_is_taken_only_when_its_grid_has_them(family, n, nodes, batch):
-    rules = _rules()[family]
-    chosen = _choose(family, batch, n, 2304, nodes)
+    rules = tile_rules()[family]
+    chosen = choose_config(family, batch, n, 2304, nodes)
     [rule] = [r for r in rules if KernelConfig(*r["config"]) == chosen][:1]
     ctas = nodes * -(-n // chosen.bn) * -(-batch // chosen.tile_m)
     assert ctas >= rule.get("min_ctas", 0)
@@ -93,21 +94,6 @@ def test_a_grad_weight_tile_is_checked_with_the_b_stage_it_stages():
 WGMMA = "gather_cl_wgmma"
 
 
-@pytest.mark.parametrize("capability, setting, width, expected", [
-    ((9, 0), True, 128, WGMMA),
-    ((9, 0), False, 128, "gather_cl"),   # the setting is off by default
-    ((8, 0), True, 128, "gather_cl"),    # warpgroup MMA is Hopper's alone
-    ((12, 0), True, 128, "gather_cl"),
-    ((9, 0), True, 48, "gather_cl"),     # no warpgroup-MMA channel tile divides 48
-])
-def test_the_warpgroup_mma_gather_is_chosen_on_hopper_when_asked_for(capability, setting,
-                                                                     width, expected):
-    family, cfg = default_gather_cl_choice(512, 128, width, 1000, capability,
-                                           warpgroup_mma=setting)
-    assert family == expected
-    check_config(family, cfg, width=width)
-
-
 def test_a_warpgroup_mma_cta_counts_its_staging_warpgroup():
     cfg = KernelConfig(64, 128, 64, 2, 8, 1, 4, True, 8)
     assert block_threads(WGMMA, cfg) == 384 and block_threads("gather_cl", cfg) == 256
@@ -126,3 +112,9 @@ def test_a_warpgroup_mma_cta_counts_its_staging_warpgroup():
 def test_warpgroup_mma_tiles_the_kernel_cannot_run_are_refused(config, problem):
     with pytest.raises(ValueError, match=problem):
         check_config(WGMMA, KernelConfig(*config))
+
+
+def test_the_channels_last_kernels_serve_channel_counts_of_their_smallest_tile():
+    assert channels_last_width_multiple() == 16
+    assert channels_last_serves(64, 80) and channels_last_serves(16, 16)
+    assert not channels_last_serves(3, 64) and not channels_last_serves(64, 70)

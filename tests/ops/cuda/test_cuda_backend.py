@@ -89,7 +89,7 @@ def check_all_entries(plan, x, weight, bias, grad_y, *, forward_cfg=None, input_
 def test_gathered_dx_staged_in_its_own_dtype_equals_rounded_float32_staging(dtype):
     # The training path stages a gathered dx in dx's dtype when it is the compute dtype; the
     # same fp32 accumulators are rounded once either way, so the two must agree bit for bit.
-    from knnconv.ops.cuda.launch import BackwardLaunch
+    from knnconv.ops.cuda.gemm import BackwardLaunch
 
     plan, x, weight, bias, grad_y = make_case(11, batch=17, cin=40, cout=65, dtype=dtype,
                                               nin=70, nout=31, k=9, padding=0.2)
@@ -149,7 +149,7 @@ def test_few_node_layers_take_their_small_default_tiles_and_match_reference(dtyp
     case = make_case(2, batch=129, cin=130, cout=130, dtype=dtype, nin=8, nout=2, k=5,
                      padding=0.2)
     plan, x, weight, bias, grad_y = case
-    forward_rules, input_rules = configs._rules()["forward"], configs._rules()["grad_input"]
+    forward_rules, input_rules = configs.tile_rules()["forward"], configs.tile_rules()["grad_input"]
     assert configs.default_config(129, 130, plan.p64, nout=2) == configs.KernelConfig(
         *forward_rules[-1]["config"])
     assert configs.default_grad_input_config(129, 130, nin=8) == configs.KernelConfig(
@@ -180,10 +180,10 @@ def test_entries_match_reference_where_relayouts_take_two_element_accesses(dtype
                                                                            monkeypatch):
     # Every size above has an odd batch, so no re-layout there meets transpose_pairs' even
     # strides; an even batch of 64 and 96 nodes takes it for x, grad_y and the scatter's dx.
-    from knnconv.ops.cuda.launch import _Transpose
+    from knnconv.ops.cuda.launch import Transpose
 
-    took_pairs, uses_pairs = [], _Transpose.uses_pairs
-    monkeypatch.setattr(_Transpose, "uses_pairs", lambda self, *args: (
+    took_pairs, uses_pairs = [], Transpose.uses_pairs
+    monkeypatch.setattr(Transpose, "uses_pairs", lambda self, *args: (
         took_pairs.append(uses_pairs(self, *args)) or took_pairs[-1]))
     case = make_case(64096, batch=64, cin=8, cout=34, dtype=dtype, nin=200, nout=96, k=9,
                      padding=0.2)
@@ -204,7 +204,7 @@ EXPLICIT = {
 
 
 def every_config(family):
-    rules = [configs.KernelConfig(*rule["config"]) for rule in configs._rules()[family]]
+    rules = [configs.KernelConfig(*rule["config"]) for rule in configs.tile_rules()[family]]
     return rules + EXPLICIT[family]
 
 
@@ -272,7 +272,7 @@ def test_a_split_finer_than_the_batch_k_steps_is_refused(ksplit):
 @pytest.mark.parametrize("broken", ["forward", "backward"])
 def test_a_first_use_that_disagrees_with_the_oracle_raises(monkeypatch, broken):
     from knnconv.ops.cuda import CudaOps
-    from knnconv.ops.cuda.launch import BackwardLaunch, ForwardLaunch
+    from knnconv.ops.cuda.gemm import BackwardLaunch, ForwardLaunch
 
     plan, x, weight, bias, grad_y = make_case(8, batch=20, cin=16, cout=24,
                                               dtype=torch.float16, nin=30, nout=12, k=9)
@@ -677,7 +677,7 @@ def test_either_dx_algorithm_writes_all_of_a_channels_last_dx(dtype, algorithm, 
 def test_a_channels_last_grad_y_is_transposed_node_by_node_with_its_bias_gradient(dtype):
     # three input channels keep the re-laying-out kernels; grad_y in the storage y has takes
     # the per-node transpose and a separate bias sum, a contiguous one the summing transpose
-    from knnconv.ops.cuda.launch import BackwardLaunch
+    from knnconv.ops.cuda.gemm import BackwardLaunch
 
     plan, x, weight, bias, grad_y = make_case(12, batch=33, cin=3, cout=70, dtype=dtype,
                                               nin=60, nout=29, k=9, padding=0.2)
@@ -704,7 +704,7 @@ def test_the_forward_runs_each_nodes_real_slots_from_its_staged_tables(dtype, cf
     # Cin*K = 69 real slots of P64 = 128: each node runs 69 rounded up to the K tile, reading
     # its slot tables from shared memory; a walk of several nodes (and the last CTA's shorter
     # walk: Nout = 29) reads each node's own tables. bin collisions and padding included.
-    from knnconv.ops.cuda.launch import ForwardLaunch
+    from knnconv.ops.cuda.gemm import ForwardLaunch
 
     plan, x, weight, bias, grad_y = make_case(nodes_per_cta, batch=37, cin=3, cout=80,
                                               dtype=dtype, nin=60, nout=29, k=23, padding=0.2,
@@ -737,7 +737,7 @@ def test_an_image_layers_weight_gradient_reads_channels_last_grad_y_in_place(dty
     # x without a gradient (the image): dW reads grad_y where it lies, rows past the batch and
     # channels past Cout as zeros; grad_y a batch slice of a wider buffer (its batch stride is
     # not Cout*Nout). The bias gradient is summed from the same storage.
-    from knnconv.ops.cuda.launch import BackwardLaunch
+    from knnconv.ops.cuda.gemm import BackwardLaunch
 
     plan, x, weight, bias, grad_y = make_case(batch + cout, batch=batch, cin=3, cout=cout,
                                               dtype=dtype, nin=50, nout=31, k=25, padding=0.2,
@@ -770,7 +770,7 @@ def test_an_image_layers_weight_gradient_reads_channels_last_grad_y_in_place(dty
 
 
 def test_reading_grad_y_in_place_is_refused_where_it_cannot_serve():
-    from knnconv.ops.cuda.launch import BackwardLaunch
+    from knnconv.ops.cuda.gemm import BackwardLaunch
 
     plan, x, weight, _, grad_y = make_case(3, batch=9, cin=3, cout=80, dtype=torch.float16,
                                            nin=30, nout=12, k=9)

@@ -1,5 +1,6 @@
-"""The cuda backend's host-side launch geometry and the re-layouts' index arithmetic, run
-on a CPU emulation of the transpose kernels (CPU), and its re-layouts against torch (GPU)."""
+"""The raw launches' host side: the transpose kernels' tiles, grids and pair accesses and
+what the kernels read in place (CPU, kernel builds stubbed), and the transposes against torch
+(GPU). The re-layouts built on them are tested in test_relayout.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from knnconv.ops.cuda import launch
-from knnconv.ops.cuda.launch import LOG_TRANSPOSE_ELEMENTS, _Transpose, transpose_tile_log2
+from knnconv.ops.cuda.launch import LOG_TRANSPOSE_ELEMENTS, Transpose, transpose_tile_log2
+from knnconv.ops.cuda.launch_plan import MAX_GRID_YZ
 
 
 @pytest.mark.parametrize("dst_a,dst_c,expected", [
@@ -28,149 +30,49 @@ def test_transpose_tile_narrows_to_a_small_extent(dst_a, dst_c, expected):
     assert log_a + log_c == LOG_TRANSPOSE_ELEMENTS
 
 
-class StubKernel:
-    def __init__(self, name: str) -> None:
-        self.name = name
-
+class UnbuiltKernel:
     def allow_shared_memory(self, size: int) -> None:
         pass
 
 
-class EmulatedDevice:
-    """transpose_pad and transpose_pairs (knn_conv.cu) run on CPU tensors by address:
-    dst[z*dst_sz + c*dst_sc + a] = src[z*src_sz + a*src_sa + c*src_sc] for z < gridDim.z,
-    a < dst_a, c < dst_c, zero past the source extents; and cudaMemsetAsync. Every address must
-    lie in a registered tensor's storage, every write inside it, no element written twice."""
-
-    def __init__(self) -> None:
-        self.storages: list[torch.Tensor] = []
-        self.launches: list[tuple[str, int]] = []  # (kernel or "memset", source address)
-
-    def register(self, *tensors: torch.Tensor) -> None:
-        for tensor in tensors:
-            storage = tensor.untyped_storage()
-            self.storages.append(torch.empty(0, dtype=tensor.dtype).set_(storage))
-
-    def _element(self, address: int) -> tuple[torch.Tensor, int]:
-        for flat in self.storages:
-            start = flat.data_ptr()
-            if start <= address < start + flat.numel() * flat.itemsize:
-                offset, misalignment = divmod(address - start, flat.itemsize)
-                assert misalignment == 0
-                return flat, offset
-        raise AssertionError(f"address {address:#x} is in no registered tensor")
-
-    def launch(self, kernel, device_index, grid, block, shared, args) -> None:
-        pairs = "transpose_pairs" in kernel.name
-        if pairs:  # its source is contiguous along c
-            src, dst, src_z, src_a, src_c, sz, sa, dst_a, dst_c, dsz, dsc, z_sums = args
-            sc = 1
-        else:
-            src, dst, src_z, src_a, src_c, sz, sa, sc, dst_a, dst_c, dsz, dsc, z_sums, _ = args
-        assert z_sums == 0
-        self.launches.append((kernel.name, src))
-        z, a, c = torch.meshgrid(torch.arange(grid[2]), torch.arange(dst_a),
-                                 torch.arange(dst_c), indexing="ij")
-        inside = (z < src_z) & (a < src_a) & (c < src_c)
-        src_flat, src_at = self._element(src)
-        read = (src_at + z * sz + a * sa + c * sc)[inside]
-        assert read.min() >= 0 and read.max() < src_flat.numel(), "read past the source"
-        values = torch.zeros(z.shape)
-        values[inside] = src_flat[read].float()
-        dst_flat, dst_at = self._element(dst)
-        written = (dst_at + z * dsz + c * dsc + a).reshape(-1)
-        assert written.min() >= 0 and written.max() < dst_flat.numel(), "wrote past the buffer"
-        assert written.unique().numel() == written.numel(), "wrote an element twice"
-        dst_flat[written] = values.reshape(-1).to(dst_flat.dtype)
-
-    def zero(self, pointer: int, nbytes: int, device_index: int) -> None:
-        flat, at = self._element(pointer)
-        assert nbytes % flat.itemsize == 0 and at + nbytes // flat.itemsize <= flat.numel()
-        self.launches.append(("memset", pointer))
-        flat[at: at + nbytes // flat.itemsize] = 0
-
-
 @pytest.fixture
-def device(monkeypatch):
-    emulated = EmulatedDevice()
-    monkeypatch.setattr(launch, "get_kernel", lambda name, index: StubKernel(name))
-    monkeypatch.setattr(launch, "_shared_memory_limit", lambda index: 227 * 1024)
-    monkeypatch.setattr(launch, "_multiprocessors", lambda index: 132)
-    monkeypatch.setattr(launch, "_capability", lambda index: (9, 0))
-    monkeypatch.setattr(launch, "_launch", emulated.launch)
-    monkeypatch.setattr(launch, "_zero", emulated.zero)
-    transpose = launch._Transpose.__call__
-
-    def registering_the_source(self, src, *args):  # a copy made on the way (x.contiguous())
-        emulated.register(src)
-        transpose(self, src, *args)
-
-    monkeypatch.setattr(launch._Transpose, "__call__", registering_the_source)
-    return emulated
+def unbuilt(monkeypatch):
+    monkeypatch.setattr(launch, "get_kernel", lambda name, index: UnbuiltKernel())
 
 
-def channels_last(x: torch.Tensor) -> torch.Tensor:
-    return x.transpose(1, 2).contiguous().transpose(1, 2)
+def test_a_relayout_reports_the_kernel_and_tile_each_call_takes(unbuilt):
+    relayout = Transpose(torch.float16, torch.float16, 0, (1, 256, 256), (1, 256, 256),
+                         (0, 256))
+    pad_tile = (1 << relayout.log_tile_a, 1 << relayout.log_tile_c)
+    assert relayout.kernel_and_tile(0, 0, (0, 256, 1)) == (
+        "transpose_pairs", (launch.PAIRS_TILE, launch.PAIRS_TILE))
+    # an address off the pair boundary, or an odd source stride, takes single elements
+    assert relayout.kernel_and_tile(2, 0, (0, 256, 1)) == ("transpose_pad", pad_tile)
+    assert relayout.kernel_and_tile(0, 0, (0, 255, 1)) == ("transpose_pad", pad_tile)
 
 
-MANY_NODES = launch.MAX_GRID_YZ + 6  # more input nodes than a grid has CTA layers
+def test_relayout_grids_stay_within_cuda_limits(unbuilt):
+    # the scatter path's dx restore of Cin 15 x Nin 300,001 rows: 140,626 row tiles of 32,
+    # launched as at most 65,535 CTA rows that loop over the rest
+    rows = 15 * 300_001
+    relayout = Transpose(torch.float32, torch.float16, 0, (1, rows, 17), (1, rows, 17),
+                         (0, rows))
+    assert -(-rows // (1 << relayout.log_tile_a)) > MAX_GRID_YZ
+    assert relayout.grid[1] == MAX_GRID_YZ
+    even = Transpose(torch.float32, torch.float16, 0, (1, rows + 1, 64), (1, rows + 1, 64),
+                     (0, rows + 1))
+    assert even.pairs_grid[1] <= MAX_GRID_YZ
+    with pytest.raises(ValueError, match="grid limit"):
+        Transpose(torch.float16, torch.float16, 0, (70_000, 8, 8), (70_000, 8, 8), (64, 8))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("storage", ["contiguous", "channels_last", "channels_last_batch_slice"])
-@pytest.mark.parametrize("batch,cin,nin,bpad", [
-    (17, 70, 9, 32), (1, 3, 40, 16), (129, 8, 5, 192), (64, 64, 3, 64), (3, 1, 40, 16),
-    (5, 8, 1, 16), (3, 2, MANY_NODES, 16)])
-def test_x_is_relaid_out_from_its_own_storage_with_padding_and_zero_row(
-        device, dtype, storage, batch, cin, nin, bpad):
-    x = torch.randn(batch + 2, cin, nin).to(dtype)
-    x = {"contiguous": x[:batch], "channels_last": channels_last(x[:batch]),
-         "channels_last_batch_slice": channels_last(x)[1: batch + 1]}[storage]
-    layout = launch._InputLayout(batch, cin, nin, bpad, dtype, dtype, 0)
-    xt = torch.full(layout.shape, math.nan, dtype=dtype)
-    device.register(x, xt)
-    layout.write(x, xt.data_ptr())
-    rows = cin * nin
-    expected = torch.zeros(layout.shape, dtype=dtype)
-    expected[:rows, :batch] = x.reshape(batch, rows).t()
-    assert torch.equal(xt, expected)
-    by_node = storage != "contiguous" and cin > 1 and 1 < nin <= launch.MAX_GRID_YZ
-    if by_node:  # one transpose reading x itself, and the zero row's memset
-        (kernel, source), zeroed = device.launches
-        assert kernel.startswith("knnconv::transpose") and source == x.data_ptr()
-        assert zeroed == ("memset", xt.data_ptr() + rows * bpad * xt.itemsize)
-    else:
-        assert len(device.launches) == 1 and "memset" not in device.launches[0][0]
-
-
-@pytest.mark.parametrize("grad_dtype", [torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("algorithm", ["gather", "scatter"])
-@pytest.mark.parametrize("dx_channels_last", [False, True])
-@pytest.mark.parametrize("batch,cin,nin", [
-    (17, 3, 70), (1, 8, 5), (64, 40, 33), (17, 1, 70), (5, 8, 1), (3, 2, MANY_NODES)])
-def test_dx_is_restored_from_its_staging_in_the_storage_asked_for(
-        device, grad_dtype, algorithm, dx_channels_last, batch, cin, nin):
-    backward = launch.BackwardLaunch(
-        batch=batch, cin=cin, nin=nin, cout=24, nout=7, q=cin * 9, p64=-(-cin * 9 // 64) * 64,
-        dtype=torch.float16, device=torch.device("cuda", 0), need_weight=False,
-        algorithm=algorithm, grad_dtypes=(grad_dtype, torch.float32, torch.float32),
-        dx_channels_last=dx_channels_last)
-    dx_values = torch.randn(batch, cin, nin).to(backward.staging_dtype)
-    rows = cin * nin
-    if algorithm == "gather":  # as the kernel stores it: [B, Nin, Cin]
-        staging = dx_values.transpose(1, 2).contiguous()
-    else:  # [Cin*Nin, bpad], batch fastest; the padding columns are never read
-        staging = torch.full((rows, backward.bpad), math.nan)
-        staging[:, :batch] = dx_values.reshape(batch, rows).t()
-    dx = torch.empty_strided((batch, cin, nin), backward.dx_strides, dtype=grad_dtype)
-    dx.fill_(math.nan)
-    device.register(staging, dx)
-    backward.restore_dx.launch_raw(staging.data_ptr(), dx.data_ptr(), backward.restore_dx_strides)
-    assert len(device.launches) == 1
-    assert torch.equal(dx, dx_values.to(grad_dtype))
-    assert dx.transpose(1, 2).is_contiguous() if dx_channels_last else dx.is_contiguous()
-    if dx_channels_last and cin > 1:
-        assert dx.stride() == (rows, 1, cin)
+def test_only_aligned_channels_last_storage_is_read_in_place():
+    grad = torch.zeros(4, 10, 64, dtype=torch.float16).transpose(1, 2)
+    assert launch.readable(grad)
+    assert not launch.readable(grad.contiguous())  # channels not fastest
+    assert not launch.readable(torch.zeros(4, 10, 60, dtype=torch.float16).transpose(1, 2))
+    odd_stride = torch.zeros(4, 10 * 64 + 4, dtype=torch.float16)[:, :640]
+    assert not launch.readable(odd_stride.view(4, 10, 64).transpose(1, 2))
 
 
 requires_gpu = pytest.mark.skipif(
@@ -199,8 +101,8 @@ def test_transpose_matches_torch_with_padding_and_sums(src_dtype, dst_dtype, ext
     storage = torch.randn(z * a * pitch + skip, device="cuda").to(src_dtype)
     src = storage[skip:].view(z, a, pitch)[:, :, :c]
     dst_pitch = dst_a + 1 if kernel == "odd_dst" else dst_a
-    relayout = _Transpose(src_dtype, dst_dtype, 0, (z, a, c), (z, dst_a, dst_c),
-                          (dst_c * dst_pitch, dst_pitch), sums_z=True)
+    relayout = Transpose(src_dtype, dst_dtype, 0, (z, a, c), (z, dst_a, dst_c),
+                         (dst_c * dst_pitch, dst_pitch), sums_z=True)
     assert relayout.uses_pairs(src.data_ptr(), 0, src.stride()) == (
         kernel in ("pairs", "odd_width", "odd_dst"))
     dst = torch.full((z, dst_c, dst_pitch), math.nan, dtype=dst_dtype, device="cuda")

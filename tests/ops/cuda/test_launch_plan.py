@@ -4,17 +4,29 @@ limits, so every decision is checked here without a GPU."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from knnconv.ops.cuda.configs import KernelConfig, shared_memory_bytes
+from knnconv.ops.cuda.configs import (
+    KernelConfig,
+    check_config,
+    shared_memory_bytes,
+)
 from knnconv.ops.cuda.launch_plan import (
     MAX_GRID_YZ,
+    BackwardPath,
     DeviceLimits,
+    ForwardPath,
+    choose_gather_kernel,
     forward_batch_padding,
+    kernel_name,
     plan_backward,
+    plan_backward_path,
     plan_channels_last_backward,
     plan_channels_last_dw,
     plan_forward,
+    plan_forward_path,
     plan_gather,
+    reads_in_place,
 )
 
 H200 = DeviceLimits(multiprocessors=132, shared_memory_bytes=227 * 1024, capability=(9, 0))
@@ -132,3 +144,80 @@ def test_a_channels_last_backward_workspace_holds_the_weight_by_cell_and_the_acc
                                         warpgroup_mma=False, need_input=False)
     assert alone.input is None and alone.workspace.weight is None
     assert alone.workspace.zero_from == 0
+
+
+@pytest.mark.parametrize("cin, x_channels_last, x_readable, expected", [
+    (64, True, True, ForwardPath(channels_last=True, keeps_x=True)),
+    # unaligned: re-laid out this once, but the backward gets x, as saved_layout promised
+    (64, True, False, ForwardPath(channels_last=False, keeps_x=True)),
+    (64, False, False, ForwardPath(channels_last=False, keeps_x=False)),
+    # channel counts the channels-last kernels do not serve: re-laid out, the re-layout kept
+    (24, True, True, ForwardPath(channels_last=False, keeps_x=False)),
+])
+def test_the_forward_reads_x_in_place_only_where_the_kernels_can(cin, x_channels_last,
+                                                                  x_readable, expected):
+    path = plan_forward_path(cin=cin, cout=32, x_channels_last=x_channels_last,
+                             x_readable=x_readable)
+    assert path == expected
+    # what the forward keeps is decided by the storage alone (saved_layout has no address)
+    assert path.keeps_x == reads_in_place(cin, 32, x_channels_last)
+
+
+BACKWARD = dict(cin=64, cout=32, need_input=True, need_weight=True, dx_channels_last=True,
+                x_readable=True, grad_y_readable=True)
+
+
+@pytest.mark.parametrize("changed, expected", [
+    ({}, BackwardPath(channels_last=True, grad_y_in_place=False)),
+    # dx wanted contiguous: the channels-last kernels write no other storage
+    ({"dx_channels_last": False}, BackwardPath(channels_last=False, grad_y_in_place=False)),
+    ({"dx_channels_last": False, "need_input": False},
+     BackwardPath(channels_last=True, grad_y_in_place=False)),
+    # x is the forward's re-layout (or unaligned): dW cannot read it in place
+    ({"x_readable": False}, BackwardPath(channels_last=False, grad_y_in_place=False)),
+    ({"x_readable": False, "need_weight": False},
+     BackwardPath(channels_last=True, grad_y_in_place=False)),
+    # an image layer (Cin 3): dW alone reads channels-last grad_y where it lies
+    ({"cin": 3, "need_input": False},
+     BackwardPath(channels_last=False, grad_y_in_place=True)),
+    ({"cin": 3, "need_input": False, "grad_y_readable": False},
+     BackwardPath(channels_last=False, grad_y_in_place=False)),
+    ({"cin": 3}, BackwardPath(channels_last=False, grad_y_in_place=False)),
+])
+def test_the_backward_takes_the_channels_last_kernels_only_where_they_serve_it(changed,
+                                                                               expected):
+    assert plan_backward_path(**{**BACKWARD, **changed}) == expected
+
+
+@pytest.mark.parametrize("capability, setting, width, expected", [
+    ((9, 0), True, 128, "gather_cl_wgmma"),
+    ((9, 0), False, 128, "gather_cl"),   # the setting is off by default
+    ((8, 0), True, 128, "gather_cl"),    # warpgroup MMA is Hopper's alone
+    ((12, 0), True, 128, "gather_cl"),
+    ((9, 0), True, 48, "gather_cl"),     # no warpgroup-MMA channel tile divides 48
+])
+def test_the_warpgroup_mma_gather_is_chosen_on_hopper_when_asked_for(capability, setting,
+                                                                     width, expected):
+    family, cfg = choose_gather_kernel(512, 128, width, 1000, capability,
+                                       warpgroup_mma=setting)
+    assert family == expected
+    check_config(family, cfg, width=width)
+
+
+def test_a_kernel_name_says_what_the_kernel_stores_and_reads():
+    cfg = KernelConfig(64, 64, 32, 1, 2, 2, 3, True, 8)
+    tiles = cfg.template_args()
+    # by default the forward stores the compute dtype, grad_input stages dx in fp32
+    assert kernel_name("forward", torch.float16, cfg) == (
+        f"knnconv::knn_forward<__half, __half, {tiles}>")
+    assert kernel_name("grad_input", torch.bfloat16, cfg) == (
+        f"knnconv::knn_grad_input<__nv_bfloat16, float, {tiles}>")
+    assert kernel_name("grad_input", torch.float16, cfg, torch.float16) == (
+        f"knnconv::knn_grad_input<__half, __half, {tiles}>")
+    assert kernel_name("grad_weight", torch.float16, cfg, grad_in_place=True) == (
+        f"knnconv::knn_grad_weight<__half, {tiles}, true>")
+    assert kernel_name("grad_weight_cl", torch.float16, cfg) == (
+        f"knnconv::knn_grad_weight_cl<__half, {tiles}>")
+    wgmma = KernelConfig(64, 128, 64, 2, 8, 1, 4, True, 8)
+    assert kernel_name("gather_cl_wgmma", torch.float16, wgmma, torch.float32) == (
+        "knnconv::knn_gather_cl_wgmma<__half, float, 128, 64, 2, 4>")

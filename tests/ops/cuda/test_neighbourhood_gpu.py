@@ -16,7 +16,7 @@ from conftest import random_geometry, rel_err, with_all_padding_node
 from knnconv import KNNConv, KNNDepthwiseConv, KNNDepthwiseSeparableConv, KNNPool, knn_pool
 from knnconv.ops import get_ops
 from knnconv.ops.cuda import neighbourhood
-from knnconv.ops.cuda.launch import reverse_tables
+from knnconv.ops.cuda.relayout import reverse_tables
 
 pytestmark = pytest.mark.gpu
 

@@ -19,7 +19,6 @@ from pathlib import Path
 import torch  # noqa: F401  (must be imported before cupy, see module docstring)
 
 from ... import context
-from .configs import KernelConfig
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 KERNEL_SOURCE = KERNEL_DIR / "knn_conv.cu"
@@ -97,29 +96,6 @@ def _search_include_dir(forced: Path | None) -> str:
     )
 
 
-def kernel_name(family: str, dtype: torch.dtype, cfg: KernelConfig,
-                out_dtype: torch.dtype | None = None, *, grad_in_place: bool = False) -> str:
-    """The NVRTC name expression of one gathered-GEMM instantiation. ``out_dtype``: what the
-    forward-shaped kernels store (default: the compute dtype for the forward, float32 for
-    grad_input's dx staging). ``grad_in_place``: grad_weight reading channels-last grad_y
-    itself instead of its batch-contiguous re-layout."""
-    scalar = SCALAR_TYPES[dtype]
-    if family == "gather_cl_wgmma":
-        out = SCALAR_TYPES[out_dtype or dtype]
-        return (f"knnconv::knn_gather_cl_wgmma<{scalar}, {out}, {cfg.bn}, {cfg.bk}, {cfg.rb}, "
-                f"{cfg.ksteps}>")
-    if family == "gather_cl":  # stores the compute dtype unless told otherwise
-        out = SCALAR_TYPES[out_dtype or dtype]
-        return f"knnconv::knn_gather_cl<{scalar}, {out}, {cfg.template_args()}>"
-    if family == "grad_weight":
-        in_place = "true" if grad_in_place else "false"
-        return f"knnconv::knn_grad_weight<{scalar}, {cfg.template_args()}, {in_place}>"
-    if family in ("grad_input_scatter", "grad_weight_cl"):
-        return f"knnconv::knn_{family}<{scalar}, {cfg.template_args()}>"
-    out = SCALAR_TYPES[out_dtype or (torch.float32 if family == "grad_input" else dtype)]
-    return f"knnconv::knn_{family}<{scalar}, {out}, {cfg.template_args()}>"
-
-
 def transpose_name(source: torch.dtype, target: torch.dtype, pairs: bool = False) -> str:
     """transpose_pad, or with ``pairs`` transpose_pairs (two-element accesses)."""
     kernel = "transpose_pairs" if pairs else "transpose_pad"
@@ -139,7 +115,7 @@ class CompiledKernel:
         self._launch_kernel = import_cupy().cuda.driver.launchKernel
 
     def launch(self, grid, block, shared: int, stream: int, parameters: int) -> None:
-        """cuLaunchKernel with a prepared kernel-parameter array (see launch._launch)."""
+        """cuLaunchKernel with a prepared kernel-parameter array (see launch.launch_kernel)."""
         self._launch_kernel(self.ptr, *grid, *block, shared, stream, parameters, 0)
 
     def allow_shared_memory(self, size: int) -> None:
@@ -245,6 +221,8 @@ def compiled_kernel_count() -> int:
     return len(_modules)
 
 
-def clear_modules() -> None:
+def clear_kernel_cache() -> None:
+    """Drop compiled-module references (CuPy's on-disk cache is kept; layers' launch plans
+    keep the kernels they resolved)."""
     with _lock:
         _modules.clear()

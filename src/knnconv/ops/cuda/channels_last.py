@@ -8,9 +8,10 @@ node's real neighbours, or over each input node's (output node, cell) pairs), dW
 knn_grad_weight_cl, and only the weight, which is small, is re-laid out by cell. dx is written
 in channels-last storage, in its own dtype, by the kernel itself.
 
-They serve layers whose channel counts are multiples of :func:`channels_last_width_multiple`
-(every layer of the published fovi models past the first); :func:`serves` says whether a call
-can take them.
+They serve layers whose channel counts are multiples of
+:func:`~.configs.channels_last_width_multiple` (every layer of the published fovi models past
+the first); :func:`~.launch_plan.plan_forward_path` and :func:`~.launch_plan.plan_backward_path`
+say whether a call takes them.
 """
 
 from __future__ import annotations
@@ -20,21 +21,20 @@ from dataclasses import dataclass
 
 import torch
 
-from .configs import KernelConfig, channels_last_width_multiple
+from .configs import KernelConfig
 from .launch import (
-    ReverseTables,
-    _Gemm,
-    _pointer,
-    _Transpose,
-    _weight_by_cell,
-    _zero,
+    Gemm,
+    Transpose,
     bias_as_read,
     biased_kernel_key,
+    data_pointer,
     device_limits,
+    memset_zero,
     poisoned_or_empty_output,
     readable,
 )
 from .launch_plan import plan_channels_last_backward, plan_gather
+from .relayout import ReverseTables, weight_by_cell
 
 
 @dataclass
@@ -62,12 +62,6 @@ def entry_tables(knn_indices: torch.Tensor, rf_index: torch.Tensor, nin: int) ->
     nodes = torch.arange(nout, device=knn_indices.device).unsqueeze(1).expand(nout, k)
     return EntryTables(start.int(), neighbours[real].int().contiguous(),
                        rf_index[real].int().contiguous(), nodes[real].int().contiguous())
-
-
-def serves(cin: int, cout: int) -> bool:
-    """Whether a layer's channel counts suit the channels-last kernels."""
-    multiple = channels_last_width_multiple()
-    return cin % multiple == 0 and cout % multiple == 0
 
 
 def _in_readable_storage(t: torch.Tensor) -> torch.Tensor:
@@ -105,9 +99,9 @@ class ChannelsLastForward:
                                                                           nout, v, dtype)
         self.cpad = cpad = plan.npad
         self.nodes_per_cta = plan.gemm.nodes_per_cta
-        self.weight_layout = _Transpose(dtype, dtype, index, (v, cout, cin), (v, cpad, cin),
-                                        (cin * cpad, cpad))
-        self.gemm = _Gemm(plan.gemm, dtype, index)
+        self.weight_layout = Transpose(dtype, dtype, index, (v, cout, cin), (v, cpad, cin),
+                                       (cin * cpad, cpad))
+        self.gemm = Gemm(plan.gemm, dtype, index)
         self._kernel_key = (self.family, dtype, self.cfg, device, self.nodes_per_cta > 1,
                             cout % 2 == 0)  # column-pair stores (see ForwardLaunch)
 
@@ -128,7 +122,7 @@ class ChannelsLastForward:
         bias = bias_as_read(bias, dtype)
         self.gemm(x.data_ptr(), x.stride(0), cin, cells.data_ptr(), self.cpad,
                   entries.start.data_ptr(), entries.row.data_ptr(), entries.cell.data_ptr(),
-                  _pointer(bias), int(bias is not None and bias.dtype == torch.float32),
+                  data_pointer(bias), int(bias is not None and bias.dtype == torch.float32),
                   y.data_ptr(), self.batch, cout, nout, self.nodes_per_cta)
         return y
 
@@ -168,18 +162,18 @@ class ChannelsLastBackward:
         if need_input:
             gather = plan.input.gemm
             self.cinpad, self.nodes_per_cta = plan.input.npad, gather.nodes_per_cta
-            self.weight_layout = _weight_by_cell(cout, cin, v, cout, self.cinpad, dtype, dtype,
-                                                 index)
-            self.input_gemm = _Gemm(gather, dtype, index, out_dtype=grad_dtypes[0])
+            self.weight_layout = weight_by_cell(cout, cin, v, cout, self.cinpad, dtype, dtype,
+                                                index)
+            self.input_gemm = Gemm(gather, dtype, index, out_dtype=grad_dtypes[0])
             self.kernel_keys["input"] = (gather.family, dtype, gather.cfg, device,
                                          self.nodes_per_cta > 1, cin % 2 == 0, grad_dtypes[0])
         if need_weight:
             self.wpad, self.per_split = plan.weight.wpad, plan.weight.per_split
-            self.weight_gemm = _Gemm(plan.weight.gemm, dtype, index)
+            self.weight_gemm = Gemm(plan.weight.gemm, dtype, index)
             self.has_entries = entries > 0
             # dw[o, c*V + v] = acc[v, c, o]: z = c, a = v (dw's fastest), c = o
-            self.restore_dw = _Transpose(torch.float32, grad_dtypes[1], index, (cin, v, cout),
-                                         (cin, v, cout), (v, cin * v))
+            self.restore_dw = Transpose(torch.float32, grad_dtypes[1], index, (cin, v, cout),
+                                        (cin, v, cout), (v, cin * v))
             self.kernel_keys["weight"] = ("grad_weight_cl", dtype, plan.weight.gemm.cfg, device,
                                           torch.float32)
 
@@ -198,7 +192,7 @@ class ChannelsLastBackward:
         workspace = torch.empty(max(1, at.size), dtype=torch.uint8, device=device)
         base = workspace.data_ptr()
         if at.zero_bytes:
-            _zero(base + at.zero_from, at.zero_bytes, index)
+            memset_zero(base + at.zero_from, at.zero_bytes, index)
         dx = dw = db = None
         if self.need_input:
             if weight.dtype != self.dtype:

@@ -29,7 +29,8 @@ four warps each own ``bm`` = 64 batch rows (so ``wm`` = 4 * rb, ``wn`` = 1) and 
 warpgroup stages the tiles (:func:`block_threads` counts it); ``bn`` is 64, 128 or 256 (one
 wgmma's N), and ``ksteps`` >= 3 stages, staged ksteps - 2 tiles ahead. tiles.json's
 ``gather_cl_wgmma`` rules are tried first there when knnconv.context's ``warpgroup_mma`` is
-on (off by default); a layer no rule fits takes gather_cl.
+on (off by default); a layer no rule fits takes gather_cl (the choice:
+launch_plan.choose_gather_kernel).
 
 grad_input runs a gather over the reversed graph (each input node gathers the
 output nodes that read it), so every dx element is written once, without atomics; layers
@@ -176,7 +177,8 @@ def check_config(family: str, cfg: KernelConfig, *, p64: int | None = None,
 
 
 @cache
-def _rules() -> dict:
+def tile_rules() -> dict:
+    """tiles.json: each family's rules (the first that fits is chosen) and scatter_below_cin."""
     return json.loads((Path(__file__).with_name("tiles.json")).read_text())
 
 
@@ -185,11 +187,11 @@ def _ctas(cfg: KernelConfig, batch: int, n: int, nodes: int) -> int:
     return nodes * -(-n // cfg.bn) * -(-batch // cfg.tile_m)
 
 
-def _choose(family: str, batch: int, n: int, p64: int, nodes: int | None = None,
-            width: int | None = None) -> KernelConfig:
+def choose_config(family: str, batch: int, n: int, p64: int, nodes: int | None = None,
+                  width: int | None = None) -> KernelConfig:
     """The first rule of ``family`` whose conditions hold; for the channels-last families
     also the implicit one that the rule's channel tile divides ``width`` (see check_config)."""
-    for rule in _rules()[family]:
+    for rule in tile_rules()[family]:
         if batch > rule.get("max_batch", math.inf) or n > rule.get("max_n", math.inf):
             continue
         if batch < rule.get("min_batch", 0):
@@ -212,24 +214,24 @@ def default_config(batch, cout, p64, dtype=None, nout=None) -> KernelConfig:
     smaller tiles where the large ones would launch fewer CTAs than a rule's ``min_ctas``
     (layers with a few nodes). ``dtype`` does not change the choice (knnconv.cuda's API takes
     it)."""
-    return _choose("forward", batch, cout, p64, nout)
+    return choose_config("forward", batch, cout, p64, nout)
 
 
 def default_grad_input_config(batch, cin, nin=None) -> KernelConfig:
     """grad_input geometry: batch-tiled like the forward, the N tile sized to Cin (this dx
     kernel tiles input channels, not slots); given
     ``nin`` (its grid has one CTA row per input node), smaller tiles for few-node layers."""
-    return _choose("grad_input", batch, cin, SLOT_ALIGN, nin)
+    return choose_config("grad_input", batch, cin, SLOT_ALIGN, nin)
 
 
 def default_grad_input_algorithm(cin: int) -> str:
     """'scatter' (grad_input_scatter) below tiles.json's scatter_below_cin, else 'gather'."""
-    return "scatter" if cin < _rules()["scatter_below_cin"] else "gather"
+    return "scatter" if cin < tile_rules()["scatter_below_cin"] else "gather"
 
 
 def default_grad_input_scatter_config(batch) -> KernelConfig:
     """grad_input_scatter geometry: batch-tiled like the forward, slot tile 64."""
-    return _choose("grad_input_scatter", batch, SLOT_ALIGN, SLOT_ALIGN)
+    return choose_config("grad_input_scatter", batch, SLOT_ALIGN, SLOT_ALIGN)
 
 
 def default_grad_weight_config(batch, cout, p64) -> KernelConfig:
@@ -237,42 +239,41 @@ def default_grad_weight_config(batch, cout, p64) -> KernelConfig:
     P64 allows (three-channel first layers), else 64 x 64; wider layers take 128 slots where
     P64 allows, with a Cout tile of 256 where Cout is a multiple of it, else 128; else 64
     slots by 128."""
-    return _choose("grad_weight", batch, cout, p64)
+    return choose_config("grad_weight", batch, cout, p64)
 
 
 @cache  # asked on every call of the hot path
 def channels_last_width_multiple() -> int:
     """The channel counts the channels-last kernels serve are multiples of this (the smallest
     channel tile of their rules; fewer channels per entry take the re-laying-out kernels)."""
-    rules = _rules()
+    rules = tile_rules()
     return min(min(KernelConfig(*r["config"]).bk for r in rules["gather_cl"]),
                min(KernelConfig(*r["config"]).tile_m for r in rules["grad_weight_cl"]))
+
+
+def channels_last_serves(cin: int, cout: int) -> bool:
+    """Whether a layer's channel counts suit the channels-last kernels' tiles: multiples of
+    :func:`channels_last_width_multiple` (every layer of the published fovi models past the
+    first)."""
+    multiple = channels_last_width_multiple()
+    return cin % multiple == 0 and cout % multiple == 0
 
 
 def default_gather_cl_config(batch: int, n: int, width: int, nodes: int) -> KernelConfig:
     """gather_cl geometry for ``n`` produced channels over entries of ``width`` channels on
     ``nodes`` nodes (forward: Cout over Cin, Nout; dx: Cin over Cout, Nin)."""
-    return _choose("gather_cl", batch, n, SLOT_ALIGN, nodes, width)
+    return choose_config("gather_cl", batch, n, SLOT_ALIGN, nodes, width)
 
 
-def default_gather_cl_choice(batch: int, n: int, width: int, nodes: int,
-                             capability: tuple[int, int], *,
-                             warpgroup_mma: bool) -> tuple[str, KernelConfig]:
-    """(family, geometry) of a channels-last gather on a device of this compute capability:
-    with ``warpgroup_mma`` (knnconv.context's setting), the first gather_cl_wgmma rule that
-    fits on Hopper; else gather_cl's (:func:`default_gather_cl_config`)."""
-    if warpgroup_mma and tuple(capability) == ARCHITECTURE_FAMILIES["gather_cl_wgmma"]:
-        try:
-            return "gather_cl_wgmma", _choose("gather_cl_wgmma", batch, n, SLOT_ALIGN, nodes,
-                                              width)
-        except LookupError:
-            pass
-    return "gather_cl", default_gather_cl_config(batch, n, width, nodes)
+def default_gather_cl_wgmma_config(batch: int, n: int, width: int, nodes: int) -> KernelConfig:
+    """gather_cl_wgmma geometry, as :func:`default_gather_cl_config`'s; LookupError where no
+    rule fits (the layer then takes gather_cl)."""
+    return choose_config("gather_cl_wgmma", batch, n, SLOT_ALIGN, nodes, width)
 
 
 def default_grad_weight_cl_config(batch: int, cout: int, cin: int) -> KernelConfig:
     """grad_weight_cl geometry: a channel tile that divides Cin, Cout tiled by bn."""
-    return _choose("grad_weight_cl", batch, cout, SLOT_ALIGN, None, cin)
+    return choose_config("grad_weight_cl", batch, cout, SLOT_ALIGN, None, cin)
 
 
 def default_grad_weight_cl_ksplit(cfg: KernelConfig, batch: int, ctas: int,
@@ -298,6 +299,20 @@ def default_grad_weight_ksplit(cfg, bpad, cpad, p64, nout, device_index=None, *,
     ctas = nout * (p64 // cfg.tile_m) * (cpad // cfg.bn)
     batch_steps = max(1, bpad // cfg.bk)
     return max(1, min(batch_steps, math.ceil(2 * multiprocessors / ctas)))
+
+
+def checked_ksplit(ksplit, k_tiles: int, batch: int, bk: int) -> int:
+    """A requested split of dW's batch contraction, as an int in [1, k_tiles]: each slice
+    needs at least one k-step of ``bk`` batch rows, so a split finer than the batch's k-steps
+    cannot be honoured and is refused rather than quietly coarsened."""
+    if isinstance(ksplit, bool) or not isinstance(ksplit, int):
+        raise TypeError(f"ksplit must be an int or None, got {type(ksplit).__name__}")
+    if not 1 <= ksplit <= k_tiles:
+        raise ValueError(
+            f"ksplit={ksplit} cannot be honoured: a batch of {batch} (padded to {k_tiles * bk}) "
+            f"has {k_tiles} k-step(s) of {bk} rows, and each split needs at least one; "
+            f"use 1 <= ksplit <= {k_tiles}, or None for the heuristic")
+    return ksplit
 
 
 # A CTA of knn_forward / knn_grad_input_scatter walks several nodes in one pipeline until it

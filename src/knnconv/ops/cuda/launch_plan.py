@@ -1,26 +1,28 @@
-"""Launch planning: every decision a kernel launch depends on, made in one place.
+"""Launch planning: every decision a KNN convolution's kernel launches depend on, in one place.
 
-Each direction of a call has one planner, a pure function of the layer's sizes, the batch
-and the device's limits (:class:`DeviceLimits`) that returns the whole plan: the kernel
-family, its tiles (from tiles.json through :mod:`.configs`, or the caller's), the padded
-extents, the walk of nodes per CTA, the grid and the shared memory of every gathered GEMM,
-and a backward's workspace (:class:`Workspace`).
+Pure functions of the layer's sizes, the batch, the device's limits (:class:`DeviceLimits`)
+and the operands' storage. A planner returns a direction's whole plan: the kernel family, its
+tiles (from tiles.json through :mod:`.configs`, or the caller's), the padded extents, the walk
+of nodes per CTA, the grid and shared memory of every gathered GEMM, a backward's workspace.
 
-====================================  ==========================================================
-planner                               serves
-====================================  ==========================================================
-:func:`plan_forward`                  the forward from the re-laid-out x (knn_forward)
-:func:`plan_backward`                 dx (reversed-graph gather or slot scatter) and dW
-                                      (grad_weight) from re-laid-out operands
-:func:`plan_gather`                   the channels-last gather: the forward, or dx over the
-                                      reversed graph (knn_gather_cl, or on Hopper its
-                                      warpgroup-MMA variant)
-:func:`plan_channels_last_backward`   dx (plan_gather) and dW (knn_grad_weight_cl, planned by
-                                      plan_channels_last_dw) from channels-last x and grad_y
-====================================  ==========================================================
+===================================  ===========================================================
+function                             decides
+===================================  ===========================================================
+:func:`plan_forward_path`,           a call's path: the channels-last kernels reading x and
+:func:`plan_backward_path`           grad_y in place, or the re-laying-out ones
+:func:`choose_gather_kernel`         gather_cl, or on Hopper when asked its warpgroup-MMA variant
+:func:`kernel_name`                  the NVRTC name of a gathered-GEMM kernel
+:func:`plan_forward`                 knn_forward from the re-laid-out x
+:func:`plan_backward`                dx (grad_input: reversed-graph gather, or
+                                     grad_input_scatter) and dW (grad_weight), re-laid out
+:func:`plan_gather`                  knn_gather_cl(_wgmma): the channels-last forward, or dx
+:func:`plan_channels_last_backward`  dx (plan_gather) and dW (knn_grad_weight_cl:
+                                     plan_channels_last_dw) from channels-last x and grad_y
+===================================  ===========================================================
 
-The launch classes (:mod:`.launch`, :mod:`.channels_last`) build the kernels, re-layouts and
-workspaces a plan names and run them; nothing else chooses a tile.
+The launch classes (:mod:`.gemm`, :mod:`.channels_last`) build and run what a plan names;
+nothing else chooses a tile or a kernel (the transposes of :mod:`.launch` shape their tiles
+to their extents, the neighbourhood kernels take one thread per element).
 """
 
 from __future__ import annotations
@@ -28,13 +30,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
+from .build import SCALAR_TYPES
 from .configs import (
+    ARCHITECTURE_FAMILIES,
     WALKING_MAX_THREADS,
     KernelConfig,
     block_threads,
+    channels_last_serves,
     check_config,
+    checked_ksplit,
     default_config,
-    default_gather_cl_choice,
+    default_gather_cl_config,
+    default_gather_cl_wgmma_config,
     default_grad_input_algorithm,
     default_grad_input_config,
     default_grad_input_scatter_config,
@@ -173,8 +182,85 @@ class ChannelsLastBackwardPlan:
     workspace: Workspace
 
 
+@dataclass(frozen=True)
+class ForwardPath:
+    """Which forward a call takes: the channels-last gather reading x in place, or the
+    re-laying-out one; ``keeps_x``: the backward gets x itself, not the forward's re-layout."""
+
+    channels_last: bool
+    keeps_x: bool
+
+
+@dataclass(frozen=True)
+class BackwardPath:
+    """Which backward a call takes: the channels-last kernels reading grad_y and x in place,
+    or the re-laying-out ones (dW reading grad_y itself where ``grad_y_in_place``)."""
+
+    channels_last: bool
+    grad_y_in_place: bool
+
+
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+def reads_in_place(cin: int, cout: int, x_channels_last: bool) -> bool:
+    """Whether a call on x of this storage takes the channels-last kernels, which read x
+    and grad_y in place (the backward then needs x itself, not a re-layout of it)."""
+    return x_channels_last and channels_last_serves(cin, cout)
+
+
+def plan_forward_path(*, cin: int, cout: int, x_channels_last: bool,
+                      x_readable: bool) -> ForwardPath:
+    """The forward's path for x of this storage (``x_readable``: see :func:`.launch.readable`).
+    A channels-last x the kernels cannot read (unaligned) is re-laid out this once, but x is
+    what the backward gets, as :func:`reads_in_place` promised the saved layout."""
+    in_place = reads_in_place(cin, cout, x_channels_last)
+    return ForwardPath(channels_last=in_place and x_readable, keeps_x=in_place)
+
+
+def plan_backward_path(*, cin: int, cout: int, need_input: bool, need_weight: bool,
+                       dx_channels_last: bool, x_readable: bool,
+                       grad_y_readable: bool) -> BackwardPath:
+    """The channels-last kernels where the layer suits them, dx is wanted in channels-last
+    storage (they write no other) and x, for dW, is readable in place (a tensor, not a
+    re-layout: see :func:`.launch.readable`); else the re-laying-out ones, whose dW reads a
+    readable grad_y where it lies when dx is not needed (an image layer's)."""
+    if (channels_last_serves(cin, cout) and (not need_input or dx_channels_last)
+            and (not need_weight or x_readable)):
+        return BackwardPath(channels_last=True, grad_y_in_place=False)
+    return BackwardPath(channels_last=False,
+                        grad_y_in_place=need_weight and not need_input and grad_y_readable)
+
+
+def choose_gather_kernel(batch: int, n: int, width: int, nodes: int, capability: tuple[int, int],
+                         *, warpgroup_mma: bool) -> tuple[str, KernelConfig]:
+    """(family, geometry) of a channels-last gather on a device of this compute capability:
+    with ``warpgroup_mma`` (knnconv.context's setting), the first gather_cl_wgmma rule that
+    fits on Hopper; else gather_cl's (:func:`~.configs.default_gather_cl_config`)."""
+    if warpgroup_mma and tuple(capability) == ARCHITECTURE_FAMILIES["gather_cl_wgmma"]:
+        try:
+            return "gather_cl_wgmma", default_gather_cl_wgmma_config(batch, n, width, nodes)
+        except LookupError:
+            pass
+    return "gather_cl", default_gather_cl_config(batch, n, width, nodes)
+
+
+def kernel_name(family: str, dtype: torch.dtype, cfg: KernelConfig,
+                out_dtype: torch.dtype | None = None, *, grad_in_place: bool = False) -> str:
+    """The NVRTC name expression of one gathered-GEMM instantiation. ``out_dtype``: what the
+    forward-shaped kernels store (default: the compute dtype, but float32 for grad_input's dx
+    staging). ``grad_in_place``: grad_weight reading channels-last grad_y itself instead of
+    its batch-contiguous re-layout."""
+    scalar, tiles = SCALAR_TYPES[dtype], cfg.template_args()
+    if family == "grad_weight":
+        return f"knnconv::knn_grad_weight<{scalar}, {tiles}, {str(grad_in_place).lower()}>"
+    if family in ("grad_input_scatter", "grad_weight_cl"):
+        return f"knnconv::knn_{family}<{scalar}, {tiles}>"
+    out = SCALAR_TYPES[out_dtype or (torch.float32 if family == "grad_input" else dtype)]
+    if family == "gather_cl_wgmma":  # its tile is set by bn, bk, warpgroups and stages alone
+        tiles = f"{cfg.bn}, {cfg.bk}, {cfg.rb}, {cfg.ksteps}"
+    return f"knnconv::knn_{family}<{scalar}, {out}, {tiles}>"
 
 
 def walk_of_nodes(requested: int | None, cfg: KernelConfig, k_tiles: int, ctas_per_node: int,
@@ -186,20 +272,6 @@ def walk_of_nodes(requested: int | None, cfg: KernelConfig, k_tiles: int, ctas_p
         raise ValueError(f"nodes_per_cta must be >= 1, and 1 for tiles of more than "
                          f"{WALKING_MAX_THREADS} threads; got {requested} for {tuple(cfg)}")
     return requested
-
-
-def checked_ksplit(ksplit, k_tiles: int, batch: int, bk: int) -> int:
-    """A requested split of dW's batch contraction, as an int in [1, k_tiles]: each slice
-    needs at least one k-step of ``bk`` batch rows, so a split finer than the batch's k-steps
-    cannot be honoured and is refused rather than quietly coarsened."""
-    if isinstance(ksplit, bool) or not isinstance(ksplit, int):
-        raise TypeError(f"ksplit must be an int or None, got {type(ksplit).__name__}")
-    if not 1 <= ksplit <= k_tiles:
-        raise ValueError(
-            f"ksplit={ksplit} cannot be honoured: a batch of {batch} (padded to {k_tiles * bk}) "
-            f"has {k_tiles} k-step(s) of {bk} rows, and each split needs at least one; "
-            f"use 1 <= ksplit <= {k_tiles}, or None for the heuristic")
-    return ksplit
 
 
 def _batch_multiple(*configs: tuple[str, KernelConfig]) -> int:
@@ -366,10 +438,10 @@ def plan_gather(*, batch: int, n: int, width: int, nodes: int, entries: int,
     on ``nodes`` nodes with ``entries`` entries in all (forward: Cout from Cin over the output
     nodes' neighbours; dx: Cin from Cout over the input nodes' (output node, cell) pairs).
     ``config`` (of ``family``, gather_cl by default) or the device's default
-    (default_gather_cl_choice, with knnconv.context's ``warpgroup_mma``)."""
+    (:func:`choose_gather_kernel`, with knnconv.context's ``warpgroup_mma``)."""
     if config is None:
-        family, config = default_gather_cl_choice(batch, n, width, nodes, device.capability,
-                                                  warpgroup_mma=warpgroup_mma)
+        family, config = choose_gather_kernel(batch, n, width, nodes, device.capability,
+                                              warpgroup_mma=warpgroup_mma)
     family = family or "gather_cl"
     cfg = check_config(family, config, width=width, max_shared_bytes=device.shared_memory_bytes)
     npad = round_up(n, cfg.bn)

@@ -16,7 +16,9 @@ import torch
 
 from ..registry import empty_in_storage, in_storage, is_channels_last
 from .build import get_kernel, neighbourhood_name
-from .launch import MAX_GRID_YZ, ReverseTables, _launch, _pointer, reverse_tables
+from .launch import data_pointer, launch_kernel
+from .launch_plan import MAX_GRID_YZ
+from .relayout import ReverseTables, reverse_tables
 
 POOL_MODE_CODES = {"max": 0, "avg": 1, "sum": 2}
 NATIVE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -57,7 +59,8 @@ def _run(name: str, device: torch.device, extent: int, rows: int, args: tuple, *
     if rows == 0 or extent == 0:
         return
     grid = grid or (-(-extent // THREADS), min(rows, MAX_GRID_YZ), 1)
-    _launch(get_kernel(name, device.index), device.index, grid, (THREADS, 1, 1), shared, args)
+    launch_kernel(get_kernel(name, device.index), device.index, grid, (THREADS, 1, 1), shared,
+                  args)
 
 
 # Each thread of the channels-last pooling kernels moves a run of channels in one load of at
@@ -110,13 +113,13 @@ def pool_forward(x: torch.Tensor, knn: torch.Tensor, nin: int, mode: str):
         name = neighbourhood_name("knn_pool_forward_channels_last", x.dtype, mode=mode_code,
                                   vector=vector)
         _run(name, x.device, nout * (channels // vector), batch,
-             (x.data_ptr(), knn.data_ptr(), y.data_ptr(), _pointer(ties), batch, channels, nin,
-              nout, k))
+             (x.data_ptr(), knn.data_ptr(), y.data_ptr(), data_pointer(ties), batch, channels,
+              nin, nout, k))
     else:
         _run(neighbourhood_name("knn_pool_forward", x.dtype, mode=mode_code), x.device, nout,
              batch * channels,
-             (x.data_ptr(), knn.data_ptr(), y.data_ptr(), _pointer(ties), batch * channels, nin,
-              nout, k))
+             (x.data_ptr(), knn.data_ptr(), y.data_ptr(), data_pointer(ties), batch * channels,
+              nin, nout, k))
     return y, ties
 
 
@@ -151,15 +154,15 @@ def pool_backward(grad_y: torch.Tensor, x: torch.Tensor | None, y: torch.Tensor 
         name = neighbourhood_name("knn_pool_backward_channels_last", grad_y.dtype,
                                   mode=mode_code, vector=vector)
         _run(name, grad_y.device, nin * (channels // vector), batch,
-             (grad_y.data_ptr(), _pointer(x), _pointer(y), _pointer(ties), scale.data_ptr(),
-              reverse.pair_start.data_ptr(), reverse.pair_node.data_ptr(), dx.data_ptr(),
-              batch, channels, nin, nout))
+             (grad_y.data_ptr(), data_pointer(x), data_pointer(y), data_pointer(ties),
+              scale.data_ptr(), reverse.pair_start.data_ptr(), reverse.pair_node.data_ptr(),
+              dx.data_ptr(), batch, channels, nin, nout))
     else:
         _run(neighbourhood_name("knn_pool_backward", grad_y.dtype, mode=mode_code),
              grad_y.device, nin, batch * channels,
-             (grad_y.data_ptr(), _pointer(x), _pointer(y), _pointer(ties), scale.data_ptr(),
-              reverse.pair_start.data_ptr(), reverse.pair_node.data_ptr(), dx.data_ptr(),
-              batch * channels, nin, nout))
+             (grad_y.data_ptr(), data_pointer(x), data_pointer(y), data_pointer(ties),
+              scale.data_ptr(), reverse.pair_start.data_ptr(), reverse.pair_node.data_ptr(),
+              dx.data_ptr(), batch * channels, nin, nout))
     return dx if channels_last is None else in_storage(dx, channels_last)
 
 
@@ -171,7 +174,7 @@ def depthwise_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     y = torch.empty(batch, channels, nout, dtype=x.dtype, device=x.device)
     _run(neighbourhood_name("knn_depthwise_forward", x.dtype), x.device, nout,
          batch * channels,
-         (x.data_ptr(), weight.data_ptr(), _pointer(bias), knn.data_ptr(), cells.data_ptr(),
+         (x.data_ptr(), weight.data_ptr(), data_pointer(bias), knn.data_ptr(), cells.data_ptr(),
           y.data_ptr(), batch * channels, channels, nin, nout, k, weight.shape[1]))
     return y
 

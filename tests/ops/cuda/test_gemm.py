@@ -1,6 +1,6 @@
-"""The launch classes (launch.ForwardLaunch, BackwardLaunch) built without a GPU, kernel
-builds and device queries stubbed: what they stage dx in, the workspace they use, and the
-kernels CudaOps verifies. The planners they take their plans from are tested in
+"""The re-laying-out launch classes (gemm.ForwardLaunch, BackwardLaunch) built without a GPU,
+kernel builds and device queries stubbed: what they stage dx in, the workspace they use, and
+the kernels CudaOps verifies. The planners they take their plans from are tested in
 test_launch_plan.py."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import random_geometry
-from knnconv.ops.cuda import launch
+from knnconv.ops.cuda import configs, gemm, launch
+from knnconv.ops.cuda.backend import CudaOps
 
 
 class UnbuiltKernel:
@@ -17,15 +18,20 @@ class UnbuiltKernel:
         pass
 
 
+def stub_device(monkeypatch, shared_memory_limit: int = 227 * 1024) -> None:
+    """Kernels never built, and an H200's limits for every device query."""
+    monkeypatch.setattr(launch, "get_kernel", lambda name, index: UnbuiltKernel())
+    monkeypatch.setattr(launch, "shared_memory_limit", lambda index: shared_memory_limit)
+    monkeypatch.setattr(launch, "multiprocessors", lambda index: 132)
+    monkeypatch.setattr(launch, "capability", lambda index: (9, 0))
+
+
 @pytest.fixture
 def plans(monkeypatch):
-    monkeypatch.setattr(launch, "get_kernel", lambda name, index: UnbuiltKernel())
-    monkeypatch.setattr(launch, "_shared_memory_limit", lambda index: 227 * 1024)
-    monkeypatch.setattr(launch, "_multiprocessors", lambda index: 132)
-    monkeypatch.setattr(launch, "_capability", lambda index: (9, 0))
+    stub_device(monkeypatch)
 
     def backward(algorithm, cin, grad_dtype, need_weight=True, batch_padding=None):
-        return launch.BackwardLaunch(
+        return gemm.BackwardLaunch(
             batch=17, cin=cin, nin=70, cout=65, nout=31, q=cin * 9, p64=-(-cin * 9 // 64) * 64,
             dtype=torch.float16, device=torch.device("cuda", 0), need_weight=need_weight,
             algorithm=algorithm, grad_dtypes=(grad_dtype, torch.float32, torch.float32),
@@ -63,7 +69,7 @@ def test_a_scattered_dx_is_summed_in_float32_whatever_its_dtype(plans):
 
 def test_only_the_needed_kernels_are_verified(plans):
     assert set(plans("gather", 40, torch.float16).kernel_keys) == {"input", "weight"}
-    with_bias = launch.BackwardLaunch(
+    with_bias = gemm.BackwardLaunch(
         batch=17, cin=40, nin=70, cout=65, nout=31, q=360, p64=384, dtype=torch.float16,
         device=torch.device("cuda", 0), need_bias=True)
     assert set(with_bias.kernel_keys) == {"input", "weight", "bias"}
@@ -80,7 +86,7 @@ def test_the_dx_keys_name_the_path_the_kernel_takes_at_run_time(plans):
     assert plans("gather", 40, torch.float16).kernel_keys["input"][4] is True
     assert plans("gather", 36, torch.float16).kernel_keys["input"][4] is False
     # the scatter: walking several nodes per CTA or one, in the same kernel
-    walking, one = (launch.BackwardLaunch(
+    walking, one = (gemm.BackwardLaunch(
         batch=17, cin=3, nin=70, cout=65, nout=31, q=27, p64=64, dtype=torch.float16,
         device=torch.device("cuda", 0), algorithm="scatter", nodes_per_cta=nodes)
         for nodes in (4, 1))
@@ -89,8 +95,8 @@ def test_the_dx_keys_name_the_path_the_kernel_takes_at_run_time(plans):
 
 
 def test_the_forward_keys_each_way_it_reads_the_bias(plans):
-    forward = launch.ForwardLaunch(batch=17, cin=40, nin=70, cout=65, nout=31, q=360, p64=384,
-                                   dtype=torch.float16, device=torch.device("cuda", 0))
+    forward = gemm.ForwardLaunch(batch=17, cin=40, nin=70, cout=65, nout=31, q=360, p64=384,
+                                 dtype=torch.float16, device=torch.device("cuda", 0))
     absent, as_fp32, as_x = (forward.kernel_key(bias) for bias in (
         None, torch.zeros(65), torch.zeros(65, dtype=torch.float16)))
     assert len({absent, as_fp32, as_x}) == 3
@@ -111,8 +117,8 @@ def test_a_few_node_forward_pads_the_batch_as_its_default_backward_does(plans, b
     # directions; the backward reuses the forward's re-layout of x only if the paddings agree
     sizes = {"batch": batch, "cin": 256, "nin": 16, "cout": 512, "nout": 2, "q": 256 * 9,
              "p64": 2304, "dtype": torch.float16, "device": torch.device("cuda", 0)}
-    forward = launch.ForwardLaunch(**sizes)
-    backward = launch.BackwardLaunch(**sizes)
+    forward = gemm.ForwardLaunch(**sizes)
+    backward = gemm.BackwardLaunch(**sizes)
     assert forward.bpad == backward.bpad
     if batch == 128:
         assert forward.cfg.tile_m == 32 and backward.kernel_keys["input"][2].tile_m == 64
@@ -125,43 +131,14 @@ def test_the_layout_compile_traces_for_a_kept_relayout_is_the_one_the_forward_bu
     # must be the shape of the launch plan the real forward builds, here computed from the
     # same sizes (with Nout 2 at B = 130 the few-node tiles pad the batch to 192, the large
     # ones to 256)
-    from knnconv.ops.cuda import CudaOps
-
     plan = random_geometry(torch.Generator().manual_seed(nout), nin=8, nout=nout,
                            k=5).plan(cin=256, cout=512)
-    forward = launch.ForwardLaunch(batch=batch, cin=plan.cin, nin=plan.nin, cout=plan.cout,
-                                   nout=plan.nout, q=plan.q, p64=plan.p64, dtype=torch.float16,
-                                   device=torch.device("cuda", 0))
+    forward = gemm.ForwardLaunch(batch=batch, cin=plan.cin, nin=plan.nin, cout=plan.cout,
+                                 nout=plan.nout, q=plan.q, p64=plan.p64, dtype=torch.float16,
+                                 device=torch.device("cuda", 0))
     x = torch.empty(batch, plan.cin, plan.nin, dtype=torch.float16, device="meta")
     assert CudaOps().saved_layout(plan, x, torch.float16) == (plan.cin * plan.nin + 1,
                                                               forward.bpad)
-
-
-def test_a_relayout_reports_the_kernel_and_tile_each_call_takes(plans):
-    relayout = launch._Transpose(torch.float16, torch.float16, 0, (1, 256, 256), (1, 256, 256),
-                                 (0, 256))
-    pad_tile = (1 << relayout.log_tile_a, 1 << relayout.log_tile_c)
-    assert relayout.kernel_and_tile(0, 0, (0, 256, 1)) == (
-        "transpose_pairs", (launch.PAIRS_TILE, launch.PAIRS_TILE))
-    # an address off the pair boundary, or an odd source stride, takes single elements
-    assert relayout.kernel_and_tile(2, 0, (0, 256, 1)) == ("transpose_pad", pad_tile)
-    assert relayout.kernel_and_tile(0, 0, (0, 255, 1)) == ("transpose_pad", pad_tile)
-
-
-def test_relayout_grids_stay_within_cuda_limits(plans):
-    # the scatter path's dx restore of Cin 15 x Nin 300,001 rows: 140,626 row tiles of 32,
-    # launched as at most 65,535 CTA rows that loop over the rest
-    rows = 15 * 300_001
-    relayout = launch._Transpose(torch.float32, torch.float16, 0, (1, rows, 17), (1, rows, 17),
-                                 (0, rows))
-    assert -(-rows // (1 << relayout.log_tile_a)) > launch.MAX_GRID_YZ
-    assert relayout.grid[1] == launch.MAX_GRID_YZ
-    even = launch._Transpose(torch.float32, torch.float16, 0, (1, rows + 1, 64),
-                             (1, rows + 1, 64), (0, rows + 1))
-    assert even.pairs_grid[1] <= launch.MAX_GRID_YZ
-    with pytest.raises(ValueError, match="grid limit"):
-        launch._Transpose(torch.float16, torch.float16, 0, (70_000, 8, 8), (70_000, 8, 8),
-                          (64, 8))
 
 
 @pytest.mark.parametrize("need_input", [False, True])
@@ -173,36 +150,33 @@ def test_a_backward_handed_a_kept_relayout_pads_the_batch_as_it_is_padded(plans,
     # re-layout is, so it takes it as is
     sizes = {"batch": batch, "cin": 128, "nin": nin, "cout": 64, "nout": 16, "q": 128 * 9,
              "p64": 1152, "dtype": torch.float16, "device": torch.device("cuda", 0)}
-    forward = launch.ForwardLaunch(**sizes)
-    alone = launch.BackwardLaunch(**sizes, need_input=need_input)
-    handed = launch.BackwardLaunch(**sizes, need_input=need_input, batch_padding=forward.bpad)
+    forward = gemm.ForwardLaunch(**sizes)
+    alone = gemm.BackwardLaunch(**sizes, need_input=need_input)
+    handed = gemm.BackwardLaunch(**sizes, need_input=need_input, batch_padding=forward.bpad)
     assert alone.bpad != forward.bpad
     assert handed.bpad == forward.bpad
     assert handed.input_layout.shape == forward.input_layout.shape
     # a padding the tiles cannot take is not used
-    odd = launch.BackwardLaunch(**sizes, need_input=need_input, batch_padding=forward.bpad + 1)
+    odd = gemm.BackwardLaunch(**sizes, need_input=need_input, batch_padding=forward.bpad + 1)
     assert odd.bpad == alone.bpad
 
 
 @pytest.mark.parametrize("ksplit", [0, 64])
 def test_an_explicit_split_beyond_the_batch_k_steps_is_refused(monkeypatch, ksplit):
-    monkeypatch.setattr(launch, "get_kernel", lambda name, index: UnbuiltKernel())
-    monkeypatch.setattr(launch, "_shared_memory_limit", lambda index: 227 * 1024)
-    monkeypatch.setattr(launch, "_multiprocessors", lambda index: 132)
-    monkeypatch.setattr(launch, "_capability", lambda index: (9, 0))
+    stub_device(monkeypatch)
     # B = 17 pads to a few k-steps at most: 64 splits cannot each get one
     sizes = {"batch": 17, "cin": 8, "nin": 70, "cout": 64, "nout": 31, "q": 72, "p64": 128,
              "dtype": torch.float16, "device": torch.device("cuda", 0), "need_input": False}
-    assert launch.BackwardLaunch(**sizes, ksplit=1).per_split >= 1
+    assert gemm.BackwardLaunch(**sizes, ksplit=1).per_split >= 1
     with pytest.raises(ValueError, match="cannot be honoured"):
-        launch.BackwardLaunch(**sizes, ksplit=ksplit)
+        gemm.BackwardLaunch(**sizes, ksplit=ksplit)
     with pytest.raises(TypeError, match="ksplit must be an int"):
-        launch.BackwardLaunch(**sizes, ksplit=2.0)
+        gemm.BackwardLaunch(**sizes, ksplit=2.0)
 
 
 def test_the_forward_key_names_its_column_pair_or_element_stores(plans):
-    keys = [launch.ForwardLaunch(batch=17, cin=3, nin=70, cout=cout, nout=31, q=27, p64=64,
-                                 dtype=torch.float16, device=torch.device("cuda", 0))
+    keys = [gemm.ForwardLaunch(batch=17, cin=3, nin=70, cout=cout, nout=31, q=27, p64=64,
+                               dtype=torch.float16, device=torch.device("cuda", 0))
             .kernel_key(None) for cout in (70, 71)]
     assert keys[0][:5] == keys[1][:5]
     assert (keys[0][5], keys[1][5]) == (True, False)
@@ -210,61 +184,48 @@ def test_the_forward_key_names_its_column_pair_or_element_stores(plans):
 
 @pytest.mark.parametrize("slots,expected", [(None, 192), (147, 192), (27, 64)])
 def test_the_forward_runs_each_nodes_real_slots_rounded_to_its_k_tile(plans, slots, expected):
-    forward = launch.ForwardLaunch(batch=2048, cin=3, nin=4085, cout=64, nout=964, q=588,
-                                   p64=192, dtype=torch.float16,
-                                   device=torch.device("cuda", 0), slots=slots)
+    forward = gemm.ForwardLaunch(batch=2048, cin=3, nin=4085, cout=64, nout=964, q=588,
+                                 p64=192, dtype=torch.float16,
+                                 device=torch.device("cuda", 0), slots=slots)
     assert forward.cfg.bk == 64 and forward.slots == expected
     with pytest.raises(ValueError, match="slots must be in"):
-        launch.ForwardLaunch(batch=2048, cin=3, nin=4085, cout=64, nout=964, q=588, p64=192,
-                             dtype=torch.float16, device=torch.device("cuda", 0), slots=193)
+        gemm.ForwardLaunch(batch=2048, cin=3, nin=4085, cout=64, nout=964, q=588, p64=192,
+                           dtype=torch.float16, device=torch.device("cuda", 0), slots=193)
 
 
 def test_a_forward_walk_is_shortened_where_its_slot_tables_would_not_fit(plans, monkeypatch):
-    from knnconv.ops.cuda import configs
-
     sizes = dict(batch=2048, cin=3, nin=4085, cout=64, nout=964, q=588, p64=192,
                  dtype=torch.float16, device=torch.device("cuda", 0))
-    roomy = launch.ForwardLaunch(**sizes)
+    roomy = gemm.ForwardLaunch(**sizes)
     assert roomy.nodes_per_cta == 8
     tiles_alone = configs.shared_memory_bytes("forward", roomy.cfg)
     # room for the tiles and the tables of two nodes, not of eight
     room = tiles_alone + 2 * roomy.slots * 2 * configs.TABLE_BYTES
-    monkeypatch.setattr(launch, "_shared_memory_limit", lambda index: room)
-    assert launch.ForwardLaunch(**sizes).nodes_per_cta == 2
+    stub_device(monkeypatch, shared_memory_limit=room)
+    assert gemm.ForwardLaunch(**sizes).nodes_per_cta == 2
     with pytest.raises(ValueError, match="more than the device's"):
-        launch.ForwardLaunch(**sizes, nodes_per_cta=8)
+        gemm.ForwardLaunch(**sizes, nodes_per_cta=8)
 
 
 def test_an_image_layers_weight_gradient_plan_reads_grad_y_in_place(plans):
     sizes = dict(batch=17, cin=3, nin=70, cout=64, nout=31, q=27, p64=64, dtype=torch.float16,
                  device=torch.device("cuda", 0), need_input=False, need_bias=True)
-    in_place = launch.BackwardLaunch(**sizes, grad_y_in_place=True)
-    relaid = launch.BackwardLaunch(**sizes)
+    in_place = gemm.BackwardLaunch(**sizes, grad_y_in_place=True)
+    relaid = gemm.BackwardLaunch(**sizes)
     assert in_place.workspace.gt is None and relaid.workspace.gt is not None
     assert relaid.workspace.size - in_place.workspace.size >= 31 * 64 * 17 * 2
     assert in_place.kernel_keys["weight"][-1] is True
     assert relaid.kernel_keys["weight"][-1] is False
     with pytest.raises(ValueError, match="dW and the bias gradient alone"):
-        launch.BackwardLaunch(**{**sizes, "need_input": True}, grad_y_in_place=True)
+        gemm.BackwardLaunch(**{**sizes, "need_input": True}, grad_y_in_place=True)
     with pytest.raises(ValueError, match="multiple of 8"):
-        launch.BackwardLaunch(**{**sizes, "cout": 70}, grad_y_in_place=True)
-
-
-def test_only_aligned_channels_last_storage_is_read_in_place():
-    grad = torch.zeros(4, 10, 64, dtype=torch.float16).transpose(1, 2)
-    assert launch.readable(grad)
-    assert not launch.readable(grad.contiguous())  # channels not fastest
-    assert not launch.readable(torch.zeros(4, 10, 60, dtype=torch.float16).transpose(1, 2))
-    odd_stride = torch.zeros(4, 10 * 64 + 4, dtype=torch.float16)[:, :640]
-    assert not launch.readable(odd_stride.view(4, 10, 64).transpose(1, 2))
+        gemm.BackwardLaunch(**{**sizes, "cout": 70}, grad_y_in_place=True)
 
 
 def test_a_sixteen_warp_forward_tile_is_refused_a_walk_of_nodes(plans):
-    from knnconv.ops.cuda import configs
-
     wide = configs.KernelConfig(64, 256, 64, 2, 4, 4, 2, True, 8)
     sizes = dict(batch=256, cin=3, nin=70, cout=256, nout=31, q=27, p64=64,
                  dtype=torch.float16, device=torch.device("cuda", 0), config=wide)
-    assert launch.ForwardLaunch(**sizes).nodes_per_cta == 1
+    assert gemm.ForwardLaunch(**sizes).nodes_per_cta == 1
     with pytest.raises(ValueError, match="1 for tiles of more than"):
-        launch.ForwardLaunch(**sizes, nodes_per_cta=2)
+        gemm.ForwardLaunch(**sizes, nodes_per_cta=2)
