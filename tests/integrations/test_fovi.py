@@ -136,6 +136,31 @@ def test_pooling_matches_fovi(mode, coords):
     check_routed(layer, x, layer, "torch_compact")  # float64 on the CPU
 
 
+def test_gaussian_pooling_matches_fovi(coords):
+    # fovi's GaussianKNNGridSampler pools with this mode; sigma 0.5 makes the weights of one
+    # node differ widely (sigma is relative to the node's range of neighbour distances)
+    layer = fovi_knn.KNNPoolingLayer(9, *coords, mode="gaussian", gauss_sigma=0.5, device="cpu")
+    assert not layer._knn_all_outputs_valid  # padded neighbourhoods and all-padding nodes
+    x = torch.randn(2, 4, len(coords[0]), generator=torch.Generator().manual_seed(0))
+    check_routed(layer, x, layer, "torch_compact")  # float64 on the CPU
+    weights = layer.knnconv_gaussian_weights
+    assert "knnconv_gaussian_weights" not in layer.state_dict()
+    assert weights.dtype == layer.gaussian_weights.dtype  # fovi's arithmetic, in float32
+    # fovi's weights, renormalised over each node's real neighbours, in cell n*K + k
+    k, nout = layer.knn_indices_pad_token.shape
+    real = layer.knn_indices_pad_token != layer.knn_pad_token_val
+    per_node = weights.reshape(nout, k).t()
+    assert torch.equal(per_node == 0, ~real | (layer.gaussian_weights == 0))
+    sums = per_node.sum(dim=0)
+    assert torch.allclose(sums[real.any(dim=0)], torch.ones((), dtype=sums.dtype))
+    # a pooling keeps x's dtype under autocast, as fovi's does
+    layer.float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        pooled = layer(x)
+    assert pooled.dtype == torch.float32
+    assert rel_err(pooled, type(layer).forward(layer, x)) < 1e-6
+
+
 @pytest.fixture(scope="module")
 def knnvit():
     # fovi's ViT module needs fovi's model dependencies (transformers and others).
@@ -197,20 +222,19 @@ def test_report_names_what_is_left(coords):
         nn.ReLU(),
     )
 
-    with pytest.warns(UserWarning, match="left 5 as they are") as caught:
+    with pytest.warns(UserWarning, match="left 4 as they are") as caught:
         assert accelerate(model) is model
 
     report = accelerate_with_report(model)[1]
-    assert [entry.name for entry in report.routed] == ["0"]
+    assert [entry.name for entry in report.routed] == ["0", "1"]  # "1": the gaussian pooling
     reasons = {entry.name: entry.detail for entry in report.left}
-    assert reasons.keys() == {"1", "2", "3", "4", "5"}
-    assert "'gaussian' mode" in reasons["1"]
-    assert "KNNGetterLayer" in reasons["2"]
+    assert reasons.keys() == {"2", "3", "4", "5"}
+    assert "KNNGetterLayer returns the neighbourhoods themselves" in reasons["2"]
     assert "OwnForward overrides forward" in reasons["3"]
     assert "forward of its own" in reasons["4"]
     assert "local_rf" in reasons["5"]
     assert all(reason in str(caught[0].message) for reason in reasons.values())
-    assert "forward" not in vars(model[1]) and vars(model[4])["forward"] is own_forward
+    assert "forward" not in vars(model[2]) and vars(model[4])["forward"] is own_forward
 
 
 def test_model_without_fovi_layers_warns():

@@ -16,7 +16,13 @@ What is routed, and how:
   2.4.0's own forward of these two classes raises (its ``_apply_local_rf`` returns
   [B, N, C*V], which their einsum reads as [B, C, V, N]); the routed layers compute what that
   einsum spells out, the features of ``_apply_local_rf`` read as [B, N, C, V].
-- ``KNNPoolingLayer`` in ``max``, ``avg`` and ``sum`` modes: :class:`knnconv.pool.KNNPool`.
+- ``KNNPoolingLayer`` in ``max``, ``avg`` and ``sum`` modes: :class:`knnconv.pool.KNNPool`;
+  in ``gaussian`` mode (fovi's GaussianKNNGridSampler): knnconv's depthwise convolution with
+  one kernel cell per neighbour, holding fovi's gaussian weight renormalised over the real
+  neighbours (built once, kept on the layer as the non-persistent buffer
+  ``knnconv_gaussian_weights``).
+- LoRA-wrapped layers (fovi.utils.lora.apply_lora: a torch parametrization of ``weight``) like
+  the layers they wrap: the routed forward reads ``layer.weight``, the parametrized weight.
 - ``KNNBatchNorm`` (fovi's BatchNorm1d over [B, C, N]), to keep the storage knnconv's
   convolutions return, the transposed view of a contiguous [B, N, C], which BatchNorm1d copies
   to contiguous on CUDA: on that storage, torch's batch norm on the [B, C, N, 1] view, which is
@@ -29,9 +35,17 @@ What is routed, and how:
   KNNBatchNorm, and a plain one may sit anywhere, before a consumer that needs contiguous
   storage.
 
-Left as they are, and named in the report: ``gaussian`` pooling (knnconv's pooling has no such
-mode), ``KNNGetterLayer`` (it returns the neighbourhoods themselves) and any subclass that
+Left as they are, and named in the report: ``KNNGetterLayer`` (it returns the neighbourhoods
+themselves, a gather with no arithmetic for knnconv to compute) and any subclass that
 overrides a method of fovi's forward path, whose meaning knnconv cannot know.
+
+A forward set on an instance of the model (or of a module in it) that calls fovi KNN layers of
+another model would run those instead of the ones accelerate routes. fovi's DINOv3 wrapper
+sets one, a closure over the forward of the model it builds, which copy.deepcopy does not
+copy: a copy calls its original. accelerate rebuilds such a forward around the model's own
+modules (the report lists it under ``forwards_rebound``), and raises ValueError, before
+changing anything, where it cannot (no module of the model has the outside module's
+structure, or the forward reaches it through an object it cannot rebuild).
 
 Routed layers compile with ``torch.compile(fullgraph=True)``: what they need besides the
 layer's parameters is built before any call (the plan and the pooling table, when accelerate
@@ -42,23 +56,27 @@ num_batches_tracked as a Python number, a graph break.
 
 For finite inputs the routed layers give fovi's outputs and gradients (the batch norms to
 rounding: torch's channels-last kernels sum in another order). Where fovi differs:
-its pooling skips a NaN input as if it were padding (knnconv's propagates it), and its max
-pooling sends the gradient of tied maxima to one of them (knnconv's shares it).
+its pooling (gaussian too) skips a NaN input as if it were padding (knnconv's propagates it),
+and its max pooling sends the gradient of tied maxima to one of them (knnconv's shares it).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
+import types
 import warnings
+from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..functional import knn_conv_with_backend
+from ..functional import knn_conv_with_backend, knn_depthwise_conv_with_backend
 from ..ops import get_ops
-from ..plan import KNNConvPlan, make_plan
+from ..plan import KNNConvPlan, NeighbourhoodPlan, make_plan
 from ..pool import POOL_MODES, KNNPool
 
 try:
@@ -115,6 +133,11 @@ class _Router:
 
     def __init__(self, layer: nn.Module) -> None:
         self.layer = layer
+
+    @classmethod
+    def for_layer(cls, layer: nn.Module) -> type[_Router]:
+        """The router of this layer: this class, or one for a variant of the layer's class."""
+        return cls
 
     def describe(self) -> str:
         raise NotImplementedError
@@ -229,6 +252,10 @@ class _PoolRouter(_Router):
     (backend 'auto': the native kernels where they serve; ``backend`` names the convolution
     backends and does not apply to pooling)."""
 
+    @classmethod
+    def for_layer(cls, layer: nn.Module) -> type[_Router]:
+        return _GaussianPoolRouter if layer.mode == "gaussian" else cls
+
     def __init__(self, layer: nn.Module, backend: str) -> None:
         super().__init__(layer)
         if layer.mode not in POOL_MODES:
@@ -247,6 +274,68 @@ class _PoolRouter(_Router):
         y = self.pool(x)
         self.layer.last_backend = self.pool.last_backend
         return y
+
+
+class _GaussianPoolRouter(_Router):
+    """fovi's KNNPoolingLayer in ``gaussian`` mode (fovi's GaussianKNNGridSampler pools with
+    it): each output node's mean of its real neighbours weighted by fovi's ``gaussian_weights``
+    [K, Nout], renormalised over the real ones,
+
+        y[b, c, n] = sum_k x[b, c, knn[k, n]] * w[k, n],
+        w[k, n] = g[k, n] real[k, n] / (sum_j g[j, n] real[j, n] + 1e-8).
+
+    knnconv's depthwise convolution computes that with one kernel cell per slot (rf[n, k] =
+    n*K + k, V = K*Nout) whose weight, the same for every channel, is w[k, n]. For finite
+    inputs fovi's forward computes the same w (only padding neighbours are left out) and the
+    same sum; like knnconv's other poolings, a NaN input propagates where fovi would skip it.
+
+    w depends on the table alone, so it is built once, in fovi's arithmetic (its dtype, its
+    reduction over the slots of a [1, 1, K, Nout] tensor), and kept on the layer as the
+    non-persistent buffer ``knnconv_gaussian_weights``: it moves with the layer to any
+    device, stays out of the state_dict, and is a graph input under torch.compile. The
+    backend is 'auto' as for the other poolings (``backend`` names the convolution backends):
+    on the GPU the native kernels where they take V cells, else torch_compact.
+    """
+
+    WEIGHTS = "knnconv_gaussian_weights"
+
+    def __init__(self, layer: nn.Module, backend: str) -> None:
+        super().__init__(layer)
+        knn_indices = layer.knn_indices_pad_token.detach()
+        nin = int(layer.knn_pad_token_val)
+        k, nout = knn_indices.shape
+        gaussian = layer.gaussian_weights.detach()
+        if tuple(gaussian.shape) != (k, nout):
+            raise _Unroutable(f"its gaussian_weights has shape {tuple(gaussian.shape)}, "
+                              f"expected {(k, nout)}")
+        padding = (knn_indices == nin).to(gaussian.device)[None, None]
+        weights = torch.where(padding, torch.zeros_like(gaussian), gaussian[None, None])
+        weights = weights / (weights.sum(dim=2, keepdim=True) + 1e-8)
+        try:
+            self.plan = NeighbourhoodPlan(knn_indices.cpu(), nin=nin, v=k * nout,
+                                          rf_index=torch.arange(k * nout).view(nout, k))
+        except (TypeError, ValueError) as error:
+            raise _Unroutable(f"knnconv rejects its table: {error}") from error
+        # cell n*K + k holds w[k, n]; on the device of the layer's buffers (fovi's
+        # gaussian_weights, a plain attribute, stays where the layer was built)
+        device = layer._knn_output_valid_mask.device
+        layer.register_buffer(self.WEIGHTS, weights[0, 0].t().reshape(1, k * nout).to(device),
+                              persistent=False)
+
+    def describe(self) -> str:
+        return (f"knnconv's depthwise conv with one cell per neighbour, holding fovi's "
+                f"renormalised gaussian weight; backend='auto', {self.plan!r}")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        layer = self.layer
+        weights = getattr(layer, self.WEIGHTS).to(x.dtype).expand(x.shape[1], -1)
+        # a pooling keeps x's dtype under autocast, as torch's poolings do
+        autocast = (torch.autocast(x.device.type, enabled=False)
+                    if torch.is_autocast_enabled(x.device.type) else nullcontext())
+        with autocast:
+            y, layer.last_backend = knn_depthwise_conv_with_backend(x, weights, None,
+                                                                    self.plan, "auto")
+        return layer._mask_invalid_outputs(y)
 
 
 class _BatchNormRouter(_Router):
@@ -332,6 +421,12 @@ def _router_class(layer: nn.Module, routers: dict[type, type[_Router]]) -> type[
     layer_class = type(layer)
     fovi_class = next((c for c in layer_class.__mro__ if c in routers), None)
     if fovi_class is None:
+        if isinstance(layer, fovi_knn.KNNGetterLayer):
+            raise _Unroutable(
+                "fovi's KNNGetterLayer returns the neighbourhoods themselves, [B, C, K, Nout] "
+                "with NaN in the padding slots: a gather and no arithmetic, which its "
+                "torch.gather already is (it compiles with fullgraph=True as it is), so "
+                "knnconv has nothing to compute faster")
         raise _Unroutable(f"knnconv has no counterpart of fovi's {layer_class.__name__}")
     overridden = [name for name in routers[fovi_class].forward_path
                   if getattr(layer_class, name, None) is not getattr(fovi_class, name, None)]
@@ -341,7 +436,7 @@ def _router_class(layer: nn.Module, routers: dict[type, type[_Router]]) -> type[
     own_forward = vars(layer).get("forward")
     if own_forward is not None and not isinstance(own_forward, _Router):
         raise _Unroutable("the layer already has a forward of its own, set on the instance")
-    return routers[fovi_class]
+    return routers[fovi_class].for_layer(layer)
 
 
 def _batch_norms_flattened_by_view(model: nn.Module) -> set[nn.Module]:
@@ -364,6 +459,185 @@ def _batch_norms_flattened_by_view(model: nn.Module) -> set[nn.Module]:
             last_norm = last_norms.get(type(block))
             flattened.update([getattr(block, last_norm)] if last_norm else block.modules())
     return flattened
+
+
+def _holds_other_fovi_layers(module: nn.Module, inside: set[int]) -> bool:
+    """Whether ``module`` holds fovi KNN layers (or batch norms) that are not in the model
+    (``inside``: the ids of its modules); a module the model is part of may hold only its."""
+    return any(isinstance(m, (fovi_knn.KNNBaseLayer, fovi_norm.KNNBatchNorm))
+               and id(m) not in inside for m in module.modules())
+
+
+def _reachable_modules(obj, seen: set[int]) -> Iterator[nn.Module]:
+    """The nn.Modules a forward set on an instance can call: through bound methods,
+    functools.partial, the closures and default arguments of functions, tuples, lists, sets and
+    dicts, and the attributes of a callable object; not through a function's globals."""
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, nn.Module):
+        yield obj
+        return
+    if isinstance(obj, types.MethodType):
+        parts = [obj.__self__, obj.__func__]
+    elif isinstance(obj, functools.partial):
+        parts = [obj.func, *obj.args, *obj.keywords.values()]
+    elif isinstance(obj, types.FunctionType):
+        parts = [*_cell_contents(obj), *(obj.__defaults__ or ()),
+                 *(obj.__kwdefaults__ or {}).values()]
+    elif isinstance(obj, (tuple, list, set, frozenset)):
+        parts = list(obj)
+    elif isinstance(obj, dict):
+        parts = list(obj.values())
+    elif callable(obj) and not isinstance(obj, type) and hasattr(obj, "__dict__"):
+        parts = list(vars(obj).values())
+    else:
+        return
+    for part in parts:
+        yield from _reachable_modules(part, seen)
+
+
+_EMPTY_CELL = object()
+
+
+def _cell_contents(function: types.FunctionType) -> list:
+    contents = []
+    for cell in function.__closure__ or ():
+        try:
+            contents.append(cell.cell_contents)
+        except ValueError:  # a free variable not yet assigned
+            contents.append(_EMPTY_CELL)
+    return contents
+
+
+def _rebind(obj, twins: dict[int, nn.Module], memo: dict[int, object]):
+    """obj with every module of ``twins`` it reaches replaced by its twin: bound methods,
+    partials and functions are rebuilt around the twins (the functions share their code and
+    globals), plain tuples too; any other object is kept as it is. An object that reaches none
+    is returned itself."""
+    if isinstance(obj, nn.Module):
+        return twins.get(id(obj), obj)
+    if id(obj) in memo:
+        return memo[id(obj)]
+    memo[id(obj)] = obj  # a cycle back to obj (a recursive closure) keeps obj
+
+    def same(old, new) -> bool:
+        return all(a is b for a, b in zip(old, new, strict=True))
+
+    rebuilt = obj
+    if isinstance(obj, types.MethodType):
+        function, owner = (_rebind(part, twins, memo) for part in (obj.__func__, obj.__self__))
+        if not same((obj.__func__, obj.__self__), (function, owner)):
+            rebuilt = types.MethodType(function, owner)
+    elif isinstance(obj, functools.partial):
+        function, args = _rebind(obj.func, twins, memo), _rebind(obj.args, twins, memo)
+        keywords = {key: _rebind(value, twins, memo) for key, value in obj.keywords.items()}
+        if not same((obj.func, obj.args, *obj.keywords.values()),
+                    (function, args, *keywords.values())):
+            rebuilt = functools.partial(function, *args, **keywords)
+    elif type(obj) is tuple:  # a plain one: a namedtuple is kept as it is
+        items = tuple(_rebind(item, twins, memo) for item in obj)
+        if not same(obj, items):
+            rebuilt = items
+    elif isinstance(obj, types.FunctionType):
+        contents = _cell_contents(obj)
+        new_contents = [_rebind(item, twins, memo) for item in contents]
+        defaults = _rebind(obj.__defaults__, twins, memo)
+        kwdefaults = obj.__kwdefaults__ or {}
+        new_kwdefaults = {key: _rebind(value, twins, memo) for key, value in kwdefaults.items()}
+        if not same((*contents, obj.__defaults__, *kwdefaults.values()),
+                    (*new_contents, defaults, *new_kwdefaults.values())):
+            cells = tuple(types.CellType() if item is _EMPTY_CELL else types.CellType(item)
+                          for item in new_contents)
+            rebuilt = types.FunctionType(obj.__code__, obj.__globals__, obj.__name__, defaults,
+                                         cells or None)
+            rebuilt.__kwdefaults__ = new_kwdefaults or None
+            rebuilt.__qualname__, rebuilt.__doc__ = obj.__qualname__, obj.__doc__
+            rebuilt.__module__ = obj.__module__
+            rebuilt.__dict__.update(obj.__dict__)
+    memo[id(obj)] = rebuilt
+    return rebuilt
+
+
+def _structure(module: nn.Module) -> tuple:
+    """What a copy.deepcopy of a module keeps: its submodules' names and classes, and its
+    parameters' and buffers' names and shapes."""
+    return ([(name, type(m)) for name, m in module.named_modules()],
+            [(name, p.shape) for name, p in module.named_parameters()],
+            [(name, b.shape) for name, b in module.named_buffers()])
+
+
+def _twin(model: nn.Module, owner: nn.Module, outsider: nn.Module) -> nn.Module | None:
+    """The module of ``model`` that ``outsider`` is a copy of, or was copied from: ``owner``,
+    whose forward reaches ``outsider``, if it has outsider's structure, else the one module of
+    the model that has it (None when none or several do)."""
+    structure = _structure(outsider)
+    if type(owner) is type(outsider) and _structure(owner) == structure:
+        return owner
+    twins = [m for m in model.modules()
+             if type(m) is type(outsider) and _structure(m) == structure]
+    return twins[0] if len(twins) == 1 else None
+
+
+def _rebound_forwards(model: nn.Module) -> list[tuple[nn.Module, object, LayerReport]]:
+    """The forwards, set on instances of ``model``'s modules, that call fovi KNN layers of
+    another model, each rebuilt to call the model's own: (module, new forward, report entry).
+
+    Such a forward is a copy's, still bound to the module it was copied from: fovi's DINOv3
+    wrapper (fovi.models.dinov3.build_fovi_dinov3) sets ``model.forward`` to a closure over
+    ``model.forward`` bound to the model it builds, which copy.deepcopy does not copy, so a
+    copy runs the original's layers. accelerate would route the copy's layers while calling
+    the copy runs the original's. A forward whose outside modules have no twin in the model
+    (a module with their structure) cannot be rebound: ValueError, before anything changes.
+    """
+    inside = {id(m) for m in model.modules()}
+
+    def outside(callable_) -> list[nn.Module]:
+        return [m for m in _reachable_modules(callable_, set())
+                if id(m) not in inside and _holds_other_fovi_layers(m, inside)]
+
+    rebound = []
+    for name, module in model.named_modules():
+        forward = vars(module).get("forward")
+        # a router's layer is its own in a copy too (copy.deepcopy copies the router with it)
+        if forward is None or isinstance(forward, _Router):
+            continue
+        outsiders = outside(forward)
+        if not outsiders:
+            continue
+        where = "the model" if name == "" else repr(name)
+        twins: dict[int, nn.Module] = {}
+        targets = []
+        for outsider in outsiders:
+            twin = _twin(model, module, outsider)
+            if twin is None:
+                raise ValueError(
+                    f"{where} ({type(module).__name__}) has a forward, set on the instance, "
+                    f"that calls a {type(outsider).__name__} outside the model, which holds "
+                    f"fovi KNN layers and is the twin of no module of the model: calling the "
+                    f"model would run that module's layers, not the ones accelerate routes. "
+                    f"Set a forward that calls the model's own modules (`del module.forward` "
+                    f"restores its class's) and accelerate again.")
+            twins.update((id(a), b) for a, b in zip(outsider.modules(), twin.modules(),
+                                                    strict=True))
+            target = next(n for n, m in model.named_modules() if m is twin)
+            targets.append("the model" if target == "" else repr(target))
+        new_forward = _rebind(forward, twins, {})
+        if outside(new_forward):
+            raise ValueError(
+                f"{where} ({type(module).__name__}) has a forward, set on the instance, that "
+                f"calls fovi KNN layers of another model through an object accelerate cannot "
+                f"rebuild (a list, dict or callable object; it rebuilds bound methods, "
+                f"functools.partial, closures and tuples): calling the model would run that "
+                f"model's layers, not the ones accelerate routes. Set a forward that calls the "
+                f"model's own modules (`del module.forward` restores its class's) and "
+                f"accelerate again.")
+        detail = (f"its forward, set on the instance, called the layers of another "
+                  f"{'/'.join(sorted({type(m).__name__ for m in outsiders}))} (as a copy's "
+                  f"forward still bound to its original does); rebound to "
+                  f"{', '.join(dict.fromkeys(targets))} of this model")
+        rebound.append((module, new_forward, LayerReport(name, type(module).__name__, detail)))
+    return rebound
 
 
 @dataclass(frozen=True)
@@ -389,6 +663,9 @@ class AccelerationReport:
     # kernels
     batch_norms: list[LayerReport] = field(default_factory=list)
     batch_norms_left: list[LayerReport] = field(default_factory=list)
+    # modules whose forward, set on the instance, called fovi KNN layers of another model (a
+    # copy's forward still bound to its original) and now calls the model's own
+    forwards_rebound: list[LayerReport] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"knnconv routed {len(self.routed)} fovi KNN layer(s) and left "
@@ -398,6 +675,7 @@ class AccelerationReport:
         lines += [f"  left: {entry}" for entry in self.left]
         lines += [f"  batch norm: {entry}" for entry in self.batch_norms]
         lines += [f"  batch norm left: {entry}" for entry in self.batch_norms_left]
+        lines += [f"  forward rebound: {entry}" for entry in self.forwards_rebound]
         return "\n".join(lines)
 
 
@@ -406,9 +684,13 @@ def accelerate_with_report(model: nn.Module,
     """Like :func:`accelerate`, returning the model and the report instead of warning."""
     if backend != "auto":
         get_ops(backend)  # an unknown name raises here, before any layer has changed
+    rebound = _rebound_forwards(model)  # raises, before anything changes, where it cannot
+    report = AccelerationReport()
+    for module, forward, entry in rebound:
+        module.forward = forward
+        report.forwards_rebound.append(entry)
     routers = _routers()
     flattened_by_view = _batch_norms_flattened_by_view(model)
-    report = AccelerationReport()
     for name, layer in model.named_modules():
         if not isinstance(layer, (fovi_knn.KNNBaseLayer, fovi_norm.KNNBatchNorm)):
             continue
@@ -435,7 +717,11 @@ def accelerate(model: nn.Module, backend: str = "auto") -> nn.Module:
     Each routed layer stays the same object, with the same class, attributes, parameters and
     state_dict; it gets a new ``forward`` (an instance attribute: ``del layer.forward`` gives
     fovi's back) and ``last_backend``, the name of the backend that ran its last call (of a
-    batch norm: ``"channels_last"`` or ``"batch_norm1d"``, its own forward).
+    batch norm: ``"channels_last"`` or ``"batch_norm1d"``, its own forward); a gaussian
+    pooling also gets its weights as a non-persistent buffer. A forward set on an instance
+    that calls fovi KNN layers of another model (a copy's, still bound to its original) is
+    rebuilt to call the model's own, or, where it cannot be, accelerate raises ValueError
+    before changing anything.
     ``backend`` is knnconv's (see :func:`knnconv.knn_conv`). Layers that cannot be routed are
     left as they are, and a warning lists them with the reason; so does a model with no fovi
     KNN layer. :func:`accelerate_with_report` returns the report instead.
