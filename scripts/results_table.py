@@ -33,15 +33,15 @@ def main(path: str) -> None:
           "calls as a user sees them (host overhead included); fovi's are "
           "its published figures (bench/anchors.json; same method, same GPU "
           "model).\n")
-    print("| layer | B | fwd ms | anchor fwd ms | fwd speedup | fwd % floor | train ms | "
-          "anchor train ms | train speedup | train % floor | graph train ms | graph % floor |")
+    print("| layer | B | fwd ms | fovi fwd ms | fwd speedup | fwd % floor | train ms | "
+          "fovi train ms | train speedup | train % floor | graph train ms | graph % floor |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     speedups = {"forward": [], "train": []}
     shown_graphs = []
     for (layer, batch), modes in cells.items():
         forward, train = modes.get("forward"), modes.get("train")
         if forward is None or train is None or train["anchor_ms"] is None:
-            continue  # a cell without an anchor figure, or with a mode that did not run
+            continue  # a cell without a published fovi time, or with a mode that did not run
         if "train_graph" in modes:
             shown_graphs.append(modes["train_graph"])
         for mode, row in (("forward", forward), ("train", train)):
@@ -53,8 +53,9 @@ def main(path: str) -> None:
               f"{train['pct_of_floor']:.1f} | {graph_cells(modes.get('train_graph'))} |")
     for mode, values in speedups.items():
         slower = sum(v < 1 for v in values)
-        print(f"\n{mode}: geometric-mean speedup over the anchor {geomean(values):.2f}x over "
-              f"{len(values)} cells; {slower} cells slower than the anchor.")
+        print(f"\n{mode}: geometric-mean speedup over fovi 2.4.0's published times "
+              f"{geomean(values):.2f}x over {len(values)} cells; {slower} cells slower than "
+              "fovi's.")
     graphs = [modes["train_graph"] for modes in cells.values() if "train_graph" in modes]
     if graphs:
         print(f"\ntrain as a CUDA graph replay (the GPU time of the step, without the host "
