@@ -63,6 +63,10 @@ def test_auto_takes_the_triton_kernels_only_for_calls_of_enough_work():
     enough = -(-int(dispatch.TRITON_MIN_FORWARD_FLOP) // per_sample)
     assert large_enough_for_triton(plan, enough) and not large_enough_for_triton(plan, enough - 1)
     assert large_enough_for_triton(plan, None)  # a symbolic batch under torch.compile
+    # and whatever the batch looks like while Dynamo traces (it may pass a symbol as an int)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert large_enough_for_triton(plan, 1)
     torch.use_deterministic_algorithms(True)
     try:  # the cuda backend refuses its atomics there: the deterministic kernels serve
         assert large_enough_for_triton(plan, 1)

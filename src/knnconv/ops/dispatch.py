@@ -83,7 +83,10 @@ def large_enough_for_triton(plan: GeometryPlan, batch) -> bool:
     their host cost (see TRITON_MIN_FORWARD_FLOP); True when the batch is not a known int
     (under torch.compile, where steps replay as graphs and host time matters less) and under
     deterministic algorithms (where the cuda backend's backward is refused)."""
-    if not isinstance(batch, int) or torch.are_deterministic_algorithms_enabled():
+    # Under torch.compile the batch may be a symbolic size that Dynamo passes off as an int;
+    # comparing it would guard on data (and fail with a dynamic batch)
+    if (torch.compiler.is_compiling() or not isinstance(batch, int)
+            or torch.are_deterministic_algorithms_enabled()):
         return True
     return 2 * batch * plan.entry_count * plan.cin * plan.cout >= TRITON_MIN_FORWARD_FLOP
 
