@@ -33,20 +33,15 @@ SPACE = {"forward": GEMM_TILES, "grad_input": GEMM_TILES,
                          (256, 128, 64, 8, 3)]}
 
 
-def fitted(family: str, plan, batch: int, raw: tuple) -> configs.TileConfig | None:
-    """A candidate fitted to the layer as tile_config fits a rule's, or None where it cannot
-    be (a contraction chunk that does not divide the channels)."""
+def fitted(family: str, plan, raw: tuple) -> configs.TileConfig | None:
+    """A candidate fitted to the layer as the rules' tiles are (configs.fit), or None where
+    its contraction chunk does not divide the contracted channels."""
     tile = configs.TileConfig(*raw)
     n = plan.cin if family == "grad_input" else plan.cout
-    block_n = min(tile.block_n, max(16, 1 << (n - 1).bit_length()))
-    block_m, block_k = tile.block_m, tile.block_k
     if family == "grad_weight":
-        block_m = min(block_m, max(16, 1 << (plan.cin - 1).bit_length()))
-    else:
-        contracted = plan.cin if family == "forward" else plan.cout
-        if contracted % block_k:
-            return None
-    return configs.TileConfig(block_m, block_n, block_k, tile.warps, tile.stages)
+        return configs.fit(tile, n, None, plan.cin)
+    contracted = plan.cin if family == "forward" else plan.cout
+    return None if contracted % tile.block_k else configs.fit(tile, n, contracted, None)
 
 
 def launcher(family: str, plan, batch: int, tile, operands):
@@ -81,7 +76,7 @@ def tune_cell(layer, batch: int) -> list[dict]:
                                                                plan.nin),
                   "grad_weight": lambda: launch.grad_weight_tile(batch, plan.cin, plan.cout),
                   }[family]()
-        tiles = {chosen} | {t for raw in space if (t := fitted(family, plan, batch, raw))}
+        tiles = {chosen} | {t for raw in space if (t := fitted(family, plan, raw))}
         for tile in sorted(tiles, key=str):
             try:
                 ms = graph_replay_ms(launcher(family, plan, batch, tile, operands), DEVICE,

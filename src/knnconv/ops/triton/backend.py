@@ -46,6 +46,7 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
     def __init__(self) -> None:
         super().__init__()
         self._capabilities: dict[int, tuple[int, int]] = {}
+        self._processor_counts: dict[int, int] = {}
 
     def _device_reason(self, device: torch.device) -> str | None:
         if MISSING is not None:
@@ -128,6 +129,11 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
         return grad_x, grad_w, grad_b
 
     def _processors(self, device: torch.device) -> int:
+        """The device's SMs, asked once per device (the backward asks on every call)."""
         if device.type != "cuda":
             return 1
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._processor_counts:
+            self._processor_counts[index] = torch.cuda.get_device_properties(
+                index).multi_processor_count
+        return self._processor_counts[index]

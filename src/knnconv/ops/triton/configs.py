@@ -68,8 +68,10 @@ def chunk(contracted: int, largest: int) -> int:
     return 0
 
 
-def _fit(config: TileConfig, n: int, contracted_channels: int | None,
+def fit(config: TileConfig, n: int, contracted_channels: int | None,
          rows: int | None) -> TileConfig:
+    """``config`` fitted to a layer: block_n capped at the column extent ``n``, block_k at a
+    chunk of ``contracted_channels``, block_m at the input channels ``rows`` (grad_weight)."""
     block_n = min(config.block_n, _power_of_two_at_least(n))
     block_m, block_k = config.block_m, config.block_k
     if contracted_channels is not None:
@@ -90,7 +92,7 @@ def tile_config(family: str, *, batch: int, n: int, nodes: int | None = None,
         raise ValueError(f"{family}: {contracted_channels} contracted channels are not a "
                          f"multiple of {MIN_BLOCK}")
     for conditions, config in rules()[family]:
-        tile = _fit(config, n, contracted_channels, rows)
+        tile = fit(config, n, contracted_channels, rows)
         programs = None if nodes is None else (
             nodes * -(-batch // tile.block_m) * -(-n // tile.block_n))
         if (batch <= conditions.get("max_batch", batch)
