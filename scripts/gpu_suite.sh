@@ -86,9 +86,20 @@ stage fovi_models 330 python3 -m knnconv bench --fovi-model resnet18,alexnet --o
 stage convergence 180 python3 scripts/convergence_parity.py --out "$out"
 stage profile 60 env KNNCONV_CPROFILE=1 python3 scripts/profile_cells.py "$geometry" \
   rfmult-2:layer4.0.conv2:512 rfmult-2:layer4.0.conv2:2048 rfmult-2:conv1:2048
+stage profile_triton 60 env KNNCONV_CPROFILE=1 KNNCONV_PROFILE_BACKEND=triton \
+  python3 scripts/profile_cells.py "$geometry" rfmult-2:layer4.0.conv2:512 \
+  rfmult-2:layer1.0.conv1:2048 rfmult-2:layers.1.conv:2048
+# the triton kernels' tiles (and grad_weight's split) on published layers
+stage tune_triton 300 python3 scripts/tune_triton.py "$geometry" "$out/logs/tune_triton.json" \
+  rfmult-2:layer1.0.conv1:2048 rfmult-2:layer3.0.conv2:2048 rfmult-2:layer4.0.conv1:512 \
+  rfmult-2:layers.1.conv:2048 rfmult-2:layers.3.conv:2048
 sections="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis"
 stage ncu 180 env KNNCONV_NCU=1 ncu $sections -k regex:knn_ -s 6 -c 4 python3 \
   scripts/profile_cells.py "$geometry" rfmult-2:conv1:2048 rfmult-1:layers.1.conv:2048
+# the triton kernels, with their Triton IR (TTGIR, PTX) kept in logs/triton_cache
+stage ncu_triton 180 env KNNCONV_NCU=1 KNNCONV_PROFILE_BACKEND=triton \
+  TRITON_CACHE_DIR="$out/logs/triton_cache" ncu $sections -k regex:knn_conv -s 6 -c 3 \
+  python3 scripts/profile_cells.py "$geometry" rfmult-2:layers.1.conv:2048
 stage ncu_relayouts 120 env KNNCONV_NCU=1 ncu --section SpeedOfLight \
   --section MemoryWorkloadAnalysis --section Occupancy -k regex:transpose -c 6 python3 \
   scripts/bench_relayouts.py "$out/logs/relayouts_ncu.json"

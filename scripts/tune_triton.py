@@ -2,16 +2,20 @@
 
     python scripts/tune_triton.py GEOMETRY_DIR OUT.json LAYER_SUBSTR:BATCH [...]
 
+KNNCONV_TUNE_FAMILIES (comma-separated, default all) names the families tuned.
+
 Each (layer, batch) times the forward, dx and dW launches (knnconv.ops.triton.launch, the
 weight's re-layout included: the same for every tile) for every candidate tile of their
 family, replayed as CUDA graphs, median of 15, on channels-last fp16 operands. Every timing
-is written with its achieved TFLOP/s (2 * B * entries * Cin * Cout / time); the current rule's
-choice and the fastest candidate per family are printed, for tiles.json.
+is written with its achieved TFLOP/s (2 * B * entries * Cin * Cout / time); grad_weight's
+candidates are also timed at several programs per SM (how far each cell's steps are split).
+The current rule's choice and the fastest candidate per family are printed, for tiles.json.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -30,7 +34,10 @@ GEMM_TILES = [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
 SPACE = {"forward": GEMM_TILES, "grad_input": GEMM_TILES,
          "grad_weight": [(128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (64, 128, 64, 4, 4),
                          (128, 64, 64, 4, 4), (64, 64, 128, 4, 4), (128, 256, 64, 8, 3),
-                         (256, 128, 64, 8, 3)]}
+                         (256, 128, 64, 8, 3), (64, 64, 256, 4, 3), (64, 128, 128, 4, 3),
+                         (128, 256, 128, 8, 2), (128, 128, 256, 8, 2)]}
+# grad_weight's programs per SM (how far each cell's steps are split), per candidate tile
+PROGRAMS_PER_SM = (1, 2, 4, 8)
 
 
 def fitted(family: str, plan, raw: tuple) -> configs.TileConfig | None:
@@ -44,7 +51,7 @@ def fitted(family: str, plan, raw: tuple) -> configs.TileConfig | None:
     return None if contracted % tile.block_k else configs.fit(tile, n, contracted, None)
 
 
-def launcher(family: str, plan, batch: int, tile, operands):
+def launcher(family: str, plan, batch: int, tile, operands, programs_per_sm: int):
     x, weight, grad_y, tables = operands
     if family == "forward":
         return lambda: launch.forward(x, weight, None, tables, nout=plan.nout, v=plan.v,
@@ -54,11 +61,12 @@ def launcher(family: str, plan, batch: int, tile, operands):
                                          tile=tile, dtype=torch.float16)
     splits = launch.grad_weight_splits(
         tile, batch=batch, cin=plan.cin, cout=plan.cout, v=plan.v, entries=plan.entry_count,
-        processors=torch.cuda.get_device_properties(DEVICE).multi_processor_count)
+        processors=torch.cuda.get_device_properties(DEVICE).multi_processor_count,
+        programs_per_sm=programs_per_sm)
     return lambda: launch.grad_weight(grad_y, x, tables, v=plan.v, tile=tile, splits=splits)
 
 
-def tune_cell(layer, batch: int) -> list[dict]:
+def tune_cell(layer, batch: int, families: list[str]) -> list[dict]:
     plan = layer.plan()
 
     def channels_last(*shape):
@@ -70,39 +78,47 @@ def tune_cell(layer, batch: int) -> list[dict]:
                 channels_last(batch, plan.cout, plan.nout), get_ops("triton").tables(plan, DEVICE))
     flop = 2 * batch * plan.entry_count * plan.cin * plan.cout
     rows = []
-    for family, space in SPACE.items():
+    for family in families:
+        space = SPACE[family]
         chosen = {"forward": lambda: launch.forward_tile(batch, plan.cin, plan.cout, plan.nout),
                   "grad_input": lambda: launch.grad_input_tile(batch, plan.cin, plan.cout,
                                                                plan.nin),
                   "grad_weight": lambda: launch.grad_weight_tile(batch, plan.cin, plan.cout),
                   }[family]()
         tiles = {chosen} | {t for raw in space if (t := fitted(family, plan, raw))}
+        spreads = PROGRAMS_PER_SM if family == "grad_weight" else (launch.PROGRAMS_PER_SM,)
         for tile in sorted(tiles, key=str):
-            try:
-                ms = graph_replay_ms(launcher(family, plan, batch, tile, operands), DEVICE,
-                                     warmup=2, repeats=15)[0]
-            except Exception as exc:  # a tile the compiler rejects (shared memory): skipped
-                print(f"  {family} {tile}: {type(exc).__name__}: {str(exc)[:120]}")
-                continue
-            rows.append({"layer": layer.name, "batch": batch, "family": family,
-                         "tile": tile.__dict__, "chosen": tile == chosen, "ms": ms,
-                         "tflops": flop / ms / 1e9})
+            for programs_per_sm in spreads:
+                try:
+                    ms = graph_replay_ms(launcher(family, plan, batch, tile, operands,
+                                                  programs_per_sm),
+                                         DEVICE, warmup=2, repeats=15)[0]
+                except Exception as exc:  # a tile the compiler rejects (shared memory)
+                    print(f"  {family} {tile}: {type(exc).__name__}: {str(exc)[:120]}")
+                    break
+                rows.append({"layer": layer.name, "batch": batch, "family": family,
+                             "tile": tile.__dict__, "programs_per_sm": programs_per_sm,
+                             "chosen": (tile == chosen
+                                        and programs_per_sm == launch.PROGRAMS_PER_SM),
+                             "ms": ms, "tflops": flop / ms / 1e9})
         timed = [r for r in rows if r["family"] == family]
         best = min(timed, key=lambda r: r["ms"])
         current = next(r for r in timed if r["chosen"])
         print(f"{layer.name[-40:]:40} B={batch:5} {family:11} rule {current['ms']:.3f} ms "
               f"({current['tflops']:.0f} TFLOP/s)  best {best['ms']:.3f} ms "
-              f"({best['tflops']:.0f} TFLOP/s) {best['tile']}", flush=True)
+              f"({best['tflops']:.0f} TFLOP/s) {best['tile']} "
+              f"programs/SM {best['programs_per_sm']}", flush=True)
     return rows
 
 
 def main() -> int:
     geometry, out, cells = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
+    families = os.environ.get("KNNCONV_TUNE_FAMILIES", ",".join(SPACE)).split(",")
     rows = []
     for cell in cells:
         substring, batch = cell.rsplit(":", 1)
         for layer in load_geometry_dir(geometry, [substring])[:1]:
-            rows += tune_cell(layer, int(batch))
+            rows += tune_cell(layer, int(batch), families)
             out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows},
                                       indent=1))
     return 0

@@ -68,11 +68,12 @@ def grad_weight_tile(batch: int, cin: int, cout: int) -> TileConfig:
 
 
 def grad_weight_splits(tile: TileConfig, *, batch: int, cin: int, cout: int, v: int,
-                       entries: int, processors: int) -> int:
-    """How many slices each cell's steps are split into: enough for PROGRAMS_PER_SM programs
-    per SM, none with fewer than MIN_STEPS_PER_SPLIT steps (on average)."""
+                       entries: int, processors: int,
+                       programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """How many slices each cell's steps are split into: enough for ``programs_per_sm``
+    programs per SM, none with fewer than MIN_STEPS_PER_SPLIT steps (on average)."""
     tiles = v * math.ceil(cin / tile.block_m) * math.ceil(cout / tile.block_n)
-    wanted = math.ceil(PROGRAMS_PER_SM * processors / tiles)
+    wanted = math.ceil(programs_per_sm * processors / tiles)
     steps = entries * math.ceil(batch / tile.block_k) // v
     return max(1, min(wanted, steps // MIN_STEPS_PER_SPLIT))
 
