@@ -36,8 +36,9 @@ SPACE = {"forward": GEMM_TILES, "grad_input": GEMM_TILES,
                          (128, 64, 64, 4, 4), (64, 64, 128, 4, 4), (128, 256, 64, 8, 3),
                          (256, 128, 64, 8, 3), (64, 64, 256, 4, 3), (64, 128, 128, 4, 3),
                          (128, 256, 128, 8, 2), (128, 128, 256, 8, 2)]}
-# grad_weight's programs per SM (how far each cell's steps are split), per candidate tile
-PROGRAMS_PER_SM = (1, 2, 4, 8)
+# grad_weight's programs per SM (how far each cell's steps are split), per candidate tile;
+# launch.PROGRAMS_PER_SM, the default, must be one of them
+PROGRAMS_PER_SM = (2, 8, 16, 32)
 
 
 def fitted(family: str, plan, raw: tuple) -> configs.TileConfig | None:

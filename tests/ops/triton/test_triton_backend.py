@@ -159,13 +159,17 @@ def test_splits_fill_the_processors_but_keep_steps_per_split():
     tile = configs.TileConfig(64, 64, 64, 4, 3)
     # 9 cells of one tile want 30 splits for 2 programs per SM; 1000 pairs of one step allow
     assert launch.grad_weight_splits(tile, batch=64, cin=64, cout=64, v=9, entries=9 * 1000,
-                                     processors=132) == 30
+                                     processors=132, programs_per_sm=2) == 30
+    # by default they want PROGRAMS_PER_SM programs per SM, up to 1000 // 16 splits
+    wanted = -(-launch.PROGRAMS_PER_SM * 132 // 9)
+    assert launch.grad_weight_splits(tile, batch=64, cin=64, cout=64, v=9, entries=9 * 1000,
+                                     processors=132) == min(wanted, 1000 // 16)
     # 16 pairs a cell, 2 batch chunks each: 32 steps, two splits of 16
     assert launch.grad_weight_splits(tile, batch=128, cin=64, cout=64, v=9, entries=9 * 16,
                                      processors=132) == 2
-    # 49 cells of 16 tiles fill the GPU unsplit
+    # 49 cells of 16 tiles fill the GPU unsplit at 2 programs per SM
     assert launch.grad_weight_splits(tile, batch=2048, cin=256, cout=256, v=49,
-                                     entries=49 * 1000, processors=132) == 1
+                                     entries=49 * 1000, processors=132, programs_per_sm=2) == 1
 
 
 @pytest.mark.parametrize("dtype, cin, cout, match", [

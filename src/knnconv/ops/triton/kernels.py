@@ -14,7 +14,7 @@ here is two tensor-descriptor loads (TMA on Hopper, zero-filled out of bounds) a
   [V*Cout, Cin].
 - ``knn_conv_grad_weight_kernel``: per kernel cell v, dW_v[c, o] = sum over v's (m, n) pairs
   and batch chunks of x[b-chunk, m, c]^T @ grad_y[b-chunk, n, o]; a program owns its tile of
-  one split of the cell's steps (pairs x batch chunks), so no atomics: the splits' partials
+  one split of the cell's steps (batch chunks x pairs), so no atomics: the splits' partials
   are summed in a fixed order.
 
 Entry tables hold element offsets (m*Cin, v*Cin, ...) so a step's box coordinates are loads,
@@ -86,14 +86,18 @@ def knn_conv_grad_weight_kernel(x_desc, gy_desc, partial_ptr, start_ptr, pair_x_
     c0 = tl.program_id(1) * BM
     o0 = tl.program_id(2) * BN
     first = tl.load(start_ptr + cell)
-    # the cell's steps (pairs x batch chunks), split into equal contiguous ranges
-    steps = (tl.load(start_ptr + cell + 1) - first) * batch_chunks
+    pairs = tl.load(start_ptr + cell + 1) - first
+    # the cell's steps (batch chunks x pairs, batch-major), split into equal contiguous ranges:
+    # the programs of one split, one per cell, then read the same batch rows of the same
+    # neighbourhoods at about the same time, so x and grad_y come from L2 instead of K reads
+    # from DRAM
+    steps = pairs * batch_chunks
     lo = (steps * split) // splits
     hi = (steps * (split + 1)) // splits
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for step in range(lo, hi):
-        pair = first + step // batch_chunks
-        b0 = (step % batch_chunks) * BB
+        pair = first + step % pairs
+        b0 = (step // pairs) * BB
         a = x_desc.load([b0, tl.load(pair_x_ptr + pair) + c0])
         g = gy_desc.load([b0, tl.load(pair_gy_ptr + pair) + o0])
         acc = tl.dot(tl.trans(a), g, acc)

@@ -21,9 +21,10 @@ from .kernels import (
 from .tables import TritonTables
 
 TMA_ALIGNMENT = 16  # bytes: a tensor map's base address and row strides
-# grad_weight splits each cell's steps (pairs x batch chunks) until the grid holds this many
-# programs per SM, or a split would get fewer than MIN_STEPS_PER_SPLIT steps (on average)
-PROGRAMS_PER_SM = 2
+# grad_weight splits each cell's steps (batch chunks x pairs) until the grid holds this many
+# programs per SM, or a split would get fewer than MIN_STEPS_PER_SPLIT steps (on average);
+# measured (bench/NOTES.md, 2026-12-03): more programs hide the latency of each step's loads
+PROGRAMS_PER_SM = 16
 MIN_STEPS_PER_SPLIT = 16
 
 
@@ -140,5 +141,5 @@ def grad_weight(grad_y: torch.Tensor, x: torch.Tensor, tables: TritonTables, *, 
         partial, tables.cell_start, tables.cell_x, tables.cell_gy, batch, cin, cout, v,
         splits, triton.cdiv(batch, tile.block_k), BM=tile.block_m,
         BN=tile.block_n, BB=tile.block_k, num_warps=tile.warps, num_stages=tile.stages)
-    by_cell = partial[0] if splits == 1 else partial.sum(dim=0)
-    return by_cell.permute(2, 1, 0).reshape(cout, cin * v)
+    # [splits, V, Cin, Cout] -> [Cout, Cin, V]: the re-layout and the sum are one pass
+    return partial.permute(0, 3, 2, 1).sum(dim=0).view(cout, cin * v)
