@@ -1,10 +1,10 @@
 """The anchor measured in the same run as knnconv's native backends: fovi 2.4.0's native-CUDA
 KNN convolution (`fovi.arch.knn_cuda` through its `KNNConvFunction`) against
-`knnconv.knn_conv(..., backend)` for the cuda and triton backends on the same layers and host,
-each on random operands in the storage its own network passes between layers (fovi's
-contiguous, knnconv's channels-last past the image layer), and the triton backend also on x
-contiguous as fovi passes it ("triton/contiguous"), timed as `knnconv bench` times (median of
-CUDA-event-bracketed calls after warm-up).
+`knnconv.knn_conv(..., backend)` for the cuda, triton and auto backends on the same layers and
+host, each on random operands in the storage its own network passes between layers (fovi's
+contiguous, knnconv's channels-last past the image layer), and triton and auto also on x
+contiguous as fovi passes it ("triton/contiguous", "auto/contiguous"), timed as `knnconv bench`
+times (median of CUDA-event-bracketed calls after warm-up).
 
 Two ways of calling: with the same x and grad_y every call and the weight unchanged (how
 `knnconv bench` and the published anchor table time), and with what a training step sees, a
@@ -49,7 +49,7 @@ DEVICE = torch.device("cuda")
 MIB = 2**20
 # fovi's kernels, then knnconv's backends; "/contiguous": x as fovi passes it, not as
 # knnconv's layers do
-BACKENDS = ("anchor", "cuda", "triton", "triton/contiguous")
+BACKENDS = ("anchor", "cuda", "triton", "auto", "triton/contiguous", "auto/contiguous")
 KNNCONV_BACKENDS = BACKENDS[1:]
 # h200_anchor.json networks field -> (backend, knnconv.keep_input_relayout setting)
 NETWORK_MODES = {"anchor_peak_mib": ("anchor", False), "cuda_peak_mib": ("cuda", False),
@@ -219,23 +219,11 @@ def paired_cells(rows: list[dict], backend: str) -> dict[tuple, dict]:
     return {cell: both for cell, both in cells.items() if len(both) == 2}
 
 
-def best_native(rows: list[dict]) -> list[dict]:
-    """Per cell, the faster (training step, fresh operands) of knnconv's cuda and triton
-    backends on channels-last operands, as a row of backend "auto": what auto's choice of
-    the two would reach if it picked per cell."""
-    cells: dict[tuple, list] = {}
-    for row in rows:
-        if row["status"] == "ok" and row["backend"] in ("cuda", "triton"):
-            cells.setdefault((row["layer"], row["batch"]), []).append(row)
-    return [dict(min(both, key=lambda r: r["train_fresh_ms"]), backend="best_native")
-            for both in cells.values()]
-
-
 def summarize(rows: list[dict]) -> dict:
     """Per knnconv backend, its speedups over the anchor (geomean, cells slower) and its peak
     memory against the anchor's, over the cells both ran."""
     summary = {}
-    for backend in (*KNNCONV_BACKENDS, "best_native"):
+    for backend in KNNCONV_BACKENDS:
         pairs = [(both[backend], both["anchor"])
                  for both in paired_cells(rows, backend).values()]
         if not pairs:
@@ -255,7 +243,7 @@ def summarize(rows: list[dict]) -> dict:
     return summary
 
 
-PLOTTED = "best_native"
+PLOTTED = "auto"
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -334,7 +322,6 @@ def main() -> None:
                           f"{row['peak_train_mib']:7.1f} MiB")
                 else:
                     print(f"{layer.name:60} {batch:5} {row['backend']:7} {row['status']}")
-    rows += best_native(rows)
     summary = summarize(rows)
     print(json.dumps(summary, indent=1))
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(DEVICE),

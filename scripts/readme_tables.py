@@ -104,7 +104,8 @@ def anchor_summaries(summary: dict) -> dict[str, dict]:
 
 BACKEND_LABELS = {"cuda": "`cuda`", "triton": "`triton`",
                   "triton/contiguous": "`triton`, x contiguous as fovi passes it",
-                  "best_native": "the faster of `cuda` and `triton` per cell"}
+                  "auto": "`auto` (what a user gets)",
+                  "auto/contiguous": "`auto`, x contiguous as fovi passes it"}
 
 
 def per_layer() -> str:
@@ -141,7 +142,7 @@ def per_layer() -> str:
                      f"| {geomean(train):.1f}% ({min(train):.1f}-{max(train):.1f}%) | "
                      f"{geomean(forward):.1f}% |")
     for backend, entry in anchor.items():
-        if backend in ("cuda", "best_native"):
+        if backend in ("cuda", "auto"):
             lines.append(f"| {BACKEND_LABELS[backend]}: peak memory of a training step / "
                          f"fovi's (same run) | {entry['peak_train_memory_ratio_geomean']:.2f}x | |")
     return "\n".join(lines)

@@ -38,7 +38,7 @@ SPACE = {"forward": GEMM_TILES, "grad_input": GEMM_TILES,
                          (128, 256, 128, 8, 2), (128, 128, 256, 8, 2)]}
 # grad_weight's programs per SM (how far each cell's steps are split), per candidate tile;
 # launch.PROGRAMS_PER_SM, the default, must be one of them
-PROGRAMS_PER_SM = (2, 8, 16, 32)
+PROGRAMS_PER_SM = (2, 8, 16)
 
 
 def fitted(family: str, plan, raw: tuple) -> configs.TileConfig | None:

@@ -259,7 +259,7 @@ def test_compiled_steps_are_opt_in():
 
 
 @pytest.mark.gpu
-def test_on_the_gpu_graph_and_compiled_modes_time_the_cuda_backend(tmp_path):
+def test_on_the_gpu_graph_modes_time_the_native_backends_and_compiled_cuda(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     pytest.importorskip("cupy")
@@ -270,14 +270,14 @@ def test_on_the_gpu_graph_and_compiled_modes_time_the_cuda_backend(tmp_path):
          "reference_fwd_ms": 1.0, "floor_train_ms": 0.003, "anchor_train_ms": 1.5,
          "reference_train_ms": 3.0}]))
     rc = bench.main(["--geometry", str(tmp_path), "--layers", "block", *QUICK,
-                     "--backends", "torch_compact,cuda", "--anchors", str(anchors),
+                     "--backends", "torch_compact,cuda,auto", "--anchors", str(anchors),
                      "--modes", "train,train_graph,train_compiled", "--out", str(tmp_path),
                      "--name", "gpu"])
     assert rc == 0
     rows = {(r["backend"], r["mode"]): r for r in read_rows(tmp_path, "gpu")}
-    # graph modes run the cuda backend only
+    # graph replays run the native backends (auto's choice among them), compiled cells cuda
     assert set(rows) == {("torch_compact", "train"), ("cuda", "train"), ("cuda", "train_graph"),
-                         ("cuda", "train_compiled")}
+                         ("cuda", "train_compiled"), ("auto", "train"), ("auto", "train_graph")}
     assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in rows.values())
     assert rows[("cuda", "train_compiled")]["anchor_ms"] == 1.5
     assert rows[("cuda", "train_graph")]["anchor_ms"] is None

@@ -1,8 +1,8 @@
 """Benchmark the backends on real layer geometries, against a roofline floor and the anchor.
 
 ``knnconv bench`` (also ``python -m knnconv.bench``) times every layer x batch x dtype x
-backend x mode (forward, train, and for the cuda backend train_graph and, opt-in,
-train_compiled; see MODES) cell as a user sees it, host overhead included; puts each time
+backend x mode (forward, train, and for the native backends train_graph and, for cuda,
+opt-in train_compiled; see MODES) cell as a user sees it, host overhead included; puts each time
 against a roofline floor built from ceilings measured in the same run, and against the anchor
 (fovi's knn_cuda, as measured in bench/anchors.json); and writes <name>.json, <name>.csv and
 <name>.png.
@@ -50,8 +50,10 @@ MODES = ("forward", "train", "train_graph", "train_compiled")
 # time without the host path. train_compiled: the training step of the layer under
 # torch.compile(mode="reduce-overhead"), which replays its forward and its backward as CUDA
 # graphs (PyTorch's CUDA-graph trees): what a user who compiles gets, host path included.
-# Both: CUDA devices and the cuda backend only; train_compiled is opt-in (each cell compiles).
+# Both: CUDA devices only; train_graph for the native backends (cuda, triton and auto's
+# choice of them), train_compiled for cuda and opt-in (each cell compiles).
 GRAPH_MODES = ("train_graph", "train_compiled")
+GRAPHED_BACKENDS = {"train_graph": ("cuda", "triton", "auto"), "train_compiled": ("cuda",)}
 DEFAULT_MODES = ("forward", "train", "train_graph")
 # The anchor figure a mode's time compares with: a compiled step is what a user who compiles
 # runs instead of the anchor's eager step; a graph replay (GPU time only) compares with none.
@@ -345,9 +347,9 @@ class Benchmark:
                     release_memory(self.device)
 
     def _modes(self, backend: str) -> list[str]:
-        """The requested modes that apply to ``backend`` (graph replays: cuda on a GPU)."""
-        graphs = self.device.type == "cuda" and backend == "cuda"
-        return [mode for mode in self.args.modes if graphs or mode not in GRAPH_MODES]
+        """The requested modes that apply to ``backend`` (GRAPHED_BACKENDS, on a GPU)."""
+        return [mode for mode in self.args.modes if mode not in GRAPH_MODES or (
+            self.device.type == "cuda" and backend in GRAPHED_BACKENDS[mode])]
 
     def _run_group(self, name: str, plan: KNNConvPlan, batch: int, dtype_name: str) -> None:
         """All backends and modes of one (layer, batch, dtype), on one set of inputs."""
@@ -664,8 +666,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", type=comma_list(str, MODES), default=list(DEFAULT_MODES),
                         help="comma-separated: forward, train, train_graph (the training "
                              "step replayed as a CUDA graph), train_compiled (the training "
-                             "step under torch.compile(mode='reduce-overhead')); the last two: "
-                             "cuda backend on a GPU only (default: all but train_compiled)")
+                             "step under torch.compile(mode='reduce-overhead')); the last two "
+                             "on a GPU only, train_graph for cuda, triton and auto, "
+                             "train_compiled for cuda (default: all but train_compiled)")
     parser.add_argument("--warmup", type=int_at_least(0),
                         help="untimed calls per cell (default 3 on a GPU, 1 on a CPU)")
     parser.add_argument("--repeats", type=int_at_least(1),

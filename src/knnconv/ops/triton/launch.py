@@ -24,7 +24,7 @@ TMA_ALIGNMENT = 16  # bytes: a tensor map's base address and row strides
 # grad_weight splits each cell's steps (batch chunks x pairs) until the grid holds this many
 # programs per SM, or a split would get fewer than MIN_STEPS_PER_SPLIT steps (on average);
 # measured (bench/NOTES.md, 2026-12-03): more programs hide the latency of each step's loads
-PROGRAMS_PER_SM = 16
+PROGRAMS_PER_SM = 8
 MIN_STEPS_PER_SPLIT = 16
 
 
