@@ -16,6 +16,12 @@ warpgroup_mma          KNNCONV_WARPGROUP_MMA       whether Hopper GPUs (compute 
                                                    tiles.json has a rule for the layer; default
                                                    off (slower than the mma.sync gather on the
                                                    published layers so far: bench/NOTES.md)
+graph_replay           KNNCONV_GRAPH_REPLAY        whether ``backend="auto"`` chooses for steps
+                                                   replayed as CUDA graphs, by GPU time, instead
+                                                   of for eager steps, by GPU and host time
+                                                   (knnconv.ops.dispatch.triton_suits); set it
+                                                   before the warm-up of a captured step;
+                                                   default off (torch.compile chooses so anyway)
 cache_dir              KNNCONV_CACHE_DIR           where the autotuner keeps its choices
                                                    (default ~/.cache/knnconv)
 cuda_include_dir       KNNCONV_CUDA_INCLUDE        the CUDA headers' directory for the runtime
@@ -44,8 +50,9 @@ from pathlib import Path
 
 ENVIRONMENT = {"keep_input_relayout": "KNNCONV_KEEP_INPUT_RELAYOUT",
                "autotune": "KNNCONV_AUTOTUNE", "warpgroup_mma": "KNNCONV_WARPGROUP_MMA",
+               "graph_replay": "KNNCONV_GRAPH_REPLAY",
                "cache_dir": "KNNCONV_CACHE_DIR", "cuda_include_dir": "KNNCONV_CUDA_INCLUDE"}
-FLAGS = ("keep_input_relayout", "autotune", "warpgroup_mma")
+FLAGS = ("keep_input_relayout", "autotune", "warpgroup_mma", "graph_replay")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 # Where a CUDA toolkit announces itself; each names a root holding include/.
 TOOLKIT_ROOT_VARIABLES = ("CUDA_PATH", "CUDA_HOME", "CUDA_ROOT")
@@ -56,6 +63,7 @@ class Settings:
     keep_input_relayout: bool = False
     autotune: bool = False
     warpgroup_mma: bool = False
+    graph_replay: bool = False
     cache_dir: Path = Path.home() / ".cache" / "knnconv"
     cuda_include_dir: Path | None = None
 

@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 
+import knnconv
 from conftest import random_geometry
 from knnconv import get_ops
 from knnconv.ops import dispatch
@@ -55,20 +56,33 @@ def test_a_named_cuda_backend_raises_with_the_reason(plan, device_reason):
         dispatch.resolve_backend("cuda", plan, GPU, torch.float16, batch=4)
 
 
-def test_auto_takes_the_triton_kernels_only_for_calls_of_enough_work():
-    large_enough_for_triton = dispatch.large_enough_for_triton
+def test_eager_auto_takes_the_triton_kernels_only_for_calls_of_enough_work():
+    suits = dispatch.triton_suits
     plan = random_geometry(torch.Generator().manual_seed(2), nin=60, nout=30, k=9).plan(
         cin=64, cout=64)
     per_sample = 2 * plan.entry_count * plan.cin * plan.cout
     enough = -(-int(dispatch.TRITON_MIN_FORWARD_FLOP) // per_sample)
-    assert large_enough_for_triton(plan, enough) and not large_enough_for_triton(plan, enough - 1)
-    assert large_enough_for_triton(plan, None)  # a symbolic batch under torch.compile
-    # and whatever the batch looks like while Dynamo traces (it may pass a symbol as an int)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.compiler, "is_compiling", lambda: True)
-        assert large_enough_for_triton(plan, 1)
+    assert suits(plan, enough) and not suits(plan, enough - 1)
     torch.use_deterministic_algorithms(True)
     try:  # the cuda backend refuses its atomics there: the deterministic kernels serve
-        assert large_enough_for_triton(plan, 1)
+        assert suits(plan, 1)
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_replayed_auto_takes_the_triton_kernels_where_cells_have_pairs():
+    suits = dispatch.triton_suits
+    generator = torch.Generator().manual_seed(2)
+    plan = random_geometry(generator, nin=60, nout=30, k=9).plan(cin=64, cout=64)
+    # two nodes of two neighbours over 36 cells: the step is the weight's, cuda keeps it
+    sparse = random_geometry(generator, nin=4, nout=2, k=2, v=36).plan(cin=64, cout=64)
+    assert plan.entry_count >= plan.v and sparse.entry_count < sparse.v
+    # a symbolic batch under torch.compile
+    assert suits(plan, None) and not suits(sparse, None)
+    # whatever the batch looks like while Dynamo traces (it may pass a symbol as an int)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert suits(plan, 1) and not suits(sparse, 2**20)
+    with knnconv.context.using(graph_replay=True):
+        assert suits(plan, 1) and not suits(sparse, 2**20)
+    assert not suits(plan, 1)  # eager again

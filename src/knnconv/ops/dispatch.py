@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import context
 from ..plan import GeometryPlan, KNNConvPlan
 from . import autotune
 from .registry import KNNConvOps, available_backends, get_ops
@@ -66,39 +67,47 @@ def resolve_backend(name: str, plan: GeometryPlan, device: torch.device, dtype: 
 
 
 # The native backends auto tries on CUDA tensors, in this order: the TMA-fed Triton kernels
-# where they serve (compute capability 9.0+, channel counts multiples of 16) and the call is
-# large enough, then the NVRTC kernels (sm_80+, every layer).
+# where they serve (compute capability 9.0+, channel counts multiples of 16) and suit the call
+# (triton_suits), then the NVRTC kernels (sm_80+, every layer).
 NATIVE_ORDER = ("triton", "cuda")
-# The triton backend's kernels reach 40-50% of the training floor on large layers against the
+# The triton backend's kernels reach 45-50% of the training floor on large layers against the
 # cuda backend's 30%, but each of its calls costs more host time (an eager training step of a
-# small layer about 0.9-1.4 ms against 0.4-0.8 ms on one H200). Its eager training step was
+# small layer about 0.6-1.5 ms against 0.3-1.0 ms on one H200). Its eager training step was
 # the faster one on the published layers from about 100 GFLOP of forward work up (2 * B *
-# real entries * Cin * Cout; 1.35-1.5x there, 0.7-0.85x at 33-48 GFLOP): below that auto
-# keeps the cuda kernels (bench/results/h200.json).
+# real entries * Cin * Cout): below that an eager call keeps the cuda kernels.
 TRITON_MIN_FORWARD_FLOP = 100e9
 
 
-def large_enough_for_triton(plan: GeometryPlan, batch) -> bool:
-    """Whether a convolution call has the work at which the triton backend's kernels repay
-    their host cost (see TRITON_MIN_FORWARD_FLOP); True when the batch is not a known int
-    (under torch.compile, where steps replay as graphs and host time matters less) and under
-    deterministic algorithms (where the cuda backend's backward is refused)."""
+def triton_suits(plan: KNNConvPlan, batch) -> bool:
+    """Whether auto takes the triton backend for a convolution call it serves.
+
+    - Under deterministic algorithms: always (the cuda backend's backward is refused there).
+    - Steps replayed as graphs (torch.compile, a batch that is not a known int, or the
+      graph_replay setting), where GPU time alone counts: where the layer has at least one
+      (input, output) pair per kernel cell on average. Replayed, triton's training step was
+      1.26x the cuda backend's (geomean of 75 published cells); it lost on layers of a few
+      nodes and many cells, whose step is the weight's re-layout and gradient.
+    - Eager calls: from TRITON_MIN_FORWARD_FLOP of forward work up (host time counts too).
+
+    (bench/results/h200.json, bench/NOTES.md 2026-12-03)"""
+    if torch.are_deterministic_algorithms_enabled():
+        return True
     # Under torch.compile the batch may be a symbolic size that Dynamo passes off as an int;
     # comparing it would guard on data (and fail with a dynamic batch)
     if (torch.compiler.is_compiling() or not isinstance(batch, int)
-            or torch.are_deterministic_algorithms_enabled()):
-        return True
+            or context.settings().graph_replay):
+        return plan.entry_count >= plan.v
     return 2 * batch * plan.entry_count * plan.cin * plan.cout >= TRITON_MIN_FORWARD_FLOP
 
 
 def _native_choice(plan: GeometryPlan, device: torch.device, dtype: torch.dtype,
                    backward: bool, batch) -> KNNConvOps | None:
     """The first native backend of NATIVE_ORDER that serves the call (triton only where
-    :func:`large_enough_for_triton`), or None (after warning once where the cuda backend
+    :func:`triton_suits` the call), or None (after warning once where the cuda backend
     cannot run on the device at all)."""
     for name in NATIVE_ORDER:
         if name == "triton" and not (isinstance(plan, KNNConvPlan)
-                                     and large_enough_for_triton(plan, batch)):
+                                     and triton_suits(plan, batch)):
             continue
         if name in available_backends():
             ops = get_ops(name)

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import models
+from .. import context, models
 from ..functional import knn_conv_with_backend
 from ..geometry import foveated_stack, knn_geometry
 from ..ops import available_backends
@@ -420,9 +420,10 @@ class Benchmark:
             median_ms, ran = time_calls(train_step, self.device, reset=inputs.clear_grads,
                                         **timing)
             return median_ms, ran, None
-        if mode == "train_graph":
-            return (*graph_replay_ms(train_step, self.device, reset=inputs.clear_grads,
-                                     **timing), None)
+        if mode == "train_graph":  # auto chooses as for replays (the graph_replay setting)
+            with context.using(graph_replay=True):
+                return (*graph_replay_ms(train_step, self.device, reset=inputs.clear_grads,
+                                         **timing), None)
         if mode == "train_compiled":  # a named backend (cuda) serves or raises, never another
             return compiled_train_ms(plan, inputs, backend, self.device, **timing), backend, None
 

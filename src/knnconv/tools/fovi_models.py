@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .. import context
 from ..ops.timing import device_description, graph_replay_ms, release_memory, time_calls
 from .options import comma_list, default_name, int_at_least
 
@@ -189,8 +190,10 @@ def time_cell(models: PathModels, path: str, mode: str, batch: int, args: argpar
             torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device)
         timer = graph_replay_ms if mode == "graph" else time_calls
-        row["median_ms"] = timer(step, device, warmup=args.warmup,
-                                 repeats=_repeats(args, batch))[0]
+        # a captured step's warm-up and capture choose backends as for replays
+        with context.using(graph_replay=mode == "graph"):
+            row["median_ms"] = timer(step, device, warmup=args.warmup,
+                                     repeats=_repeats(args, batch))[0]
         if device.type == "cuda":
             row["peak_mib"] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
     except torch.cuda.OutOfMemoryError as error:
