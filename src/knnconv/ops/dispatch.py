@@ -84,7 +84,8 @@ def triton_suits(plan: KNNConvPlan, batch) -> bool:
     - Under deterministic algorithms: always (the cuda backend's backward is refused there).
     - Steps replayed as graphs (torch.compile, a batch that is not a known int, or the
       graph_replay setting), where GPU time alone counts: where the layer has at least one
-      (input, output) pair per kernel cell on average. Replayed, triton's training step was
+      neighbour slot (Nout x K) per kernel cell; the slot count, not the real pairs, so that
+      Dynamo does not trace a count of the table. Replayed, triton's training step was
       1.26x the cuda backend's (geomean of 75 published cells); it lost on layers of a few
       nodes and many cells, whose step is the weight's re-layout and gradient.
     - Eager calls: from TRITON_MIN_FORWARD_FLOP of forward work up (host time counts too).
@@ -96,7 +97,7 @@ def triton_suits(plan: KNNConvPlan, batch) -> bool:
     # comparing it would guard on data (and fail with a dynamic batch)
     if (torch.compiler.is_compiling() or not isinstance(batch, int)
             or context.settings().graph_replay):
-        return plan.entry_count >= plan.v
+        return plan.nout * plan.k >= plan.v
     return 2 * batch * plan.entry_count * plan.cin * plan.cout >= TRITON_MIN_FORWARD_FLOP
 
 
