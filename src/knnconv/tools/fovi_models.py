@@ -181,17 +181,16 @@ def time_cell(models: PathModels, path: str, mode: str, batch: int, args: argpar
     try:
         x, labels = models.inputs(path, batch, device)
         step = training_step(module, forward, x, labels, device, graph=mode == "graph")
-        if mode == "eager":
-            # one step first: its one-off allocations (first-use checks, tables built on
-            # first use) are not the footprint of a training step
-            step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            before = torch.cuda.memory_allocated(device)
         timer = graph_replay_ms if mode == "graph" else time_calls
         # a captured step's warm-up and capture choose backends as for replays
         with context.using(graph_replay=mode == "graph"):
+            # one step first: its one-off allocations (first-use checks, tables built on
+            # first use) are not the footprint of a training step
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                before = torch.cuda.memory_allocated(device)
             row["median_ms"] = timer(step, device, warmup=args.warmup,
                                      repeats=_repeats(args, batch))[0]
         if device.type == "cuda":
