@@ -5,7 +5,8 @@
 #   bash scripts/gpu_suite.sh OUTDIR GEOMETRY_DIR [WHEEL_DIR [FOVI_TESTS]]
 # WHEEL_DIR: wheels installed with --no-deps before the tests, for a machine without network
 # (fovi's layer and model tests: pip download --no-deps "fovi==2.4.0" trimesh hydra-core
-# "omegaconf==2.3.1" --python-version 3.12 --only-binary=:all: -d WHEEL_DIR, and
+# "omegaconf==2.3.1" timm --python-version 3.12 --only-binary=:all: -d WHEEL_DIR (timm for
+# fovi's ConvNeXtV2), and
 # pip wheel --no-deps "antlr4-python3-runtime==4.9.3" -w WHEEL_DIR; its other imports are
 # common).
 # Results (h200*.json/png, networks.json, demo.png, convergence_parity.json/png) land in OUTDIR,
@@ -79,9 +80,12 @@ stage anchor 240 python3 scripts/bench_anchor.py "$geometry" "$out/logs/anchor.j
 stage host 60 python3 scripts/bench_host.py "$geometry" "$out/logs/host.json"
 stage neighbourhood 120 python3 scripts/bench_neighbourhood.py "$out/logs/neighbourhood.json"
 stage demo 60 python3 -m knnconv demo --out "$out/demo.png"
-# fovi's own ResNet-18 and AlexNet: one training step as fovi runs it, accelerated, compiled,
-# and a grid ResNet-18 of as many pixels, eager and as CUDA graphs, with a GPU-time breakdown
-stage fovi_models 330 python3 -m knnconv bench --fovi-model resnet18,alexnet --out "$out/logs"
+# fovi's own ResNet-18 and AlexNet, and its ResNet-50, depthwise-separable ResNet-18 and
+# ConvNeXtV2 on the same sensor: one training step as fovi runs it, accelerated, compiled, and
+# a grid ResNet-18 of as many pixels, eager and as CUDA graphs, with a GPU-time breakdown
+stage fovi_models 600 python3 -m knnconv bench \
+  --fovi-model resnet18,alexnet,resnet50,resnet18_dwsep,convnextv2 --batches 512,2048 \
+  --out "$out/logs"
 # a fovi KNNAlexNet trained through fovi's own layers and through knnconv, two seeds each
 stage convergence 180 python3 scripts/convergence_parity.py --out "$out"
 stage profile 60 env KNNCONV_CPROFILE=1 python3 scripts/profile_cells.py "$geometry" \

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 README = ROOT / "README.md"
 LARGE_FLOOR_MS = 0.1  # a cell whose training floor is at least this is a large one
-MODELS = {"resnet18": "ResNet-18", "alexnet": "AlexNet"}
+MODELS = {"resnet18": "ResNet-18", "alexnet": "AlexNet", "resnet50": "ResNet-50",
+          "resnet18_dwsep": "depthwise-separable ResNet-18", "convnextv2": "ConvNeXtV2 femto"}
 MODES = {"eager": "eager", "graph": "CUDA graph"}
 PATHS = ("fovi", "accelerated", "accelerated+compile", "grid")
 CATEGORIES = (("knn_conv", "KNN convolutions"), ("normalisation", "batch norm"),
@@ -49,6 +50,10 @@ def whole_models() -> str:
              "| grid ResNet-18 |", "|---|---|---|---|---|---|---|"]
     shown = [("resnet18", 512, "eager"), ("resnet18", 512, "graph"), ("resnet18", 2048, "eager"),
              ("resnet18", 2048, "graph"), ("alexnet", 512, "graph"), ("alexnet", 2048, "graph")]
+    # the other families, where the file has them: every batch and mode measured
+    shown += sorted({(model, batch, mode) for model, _, mode, batch in rows
+                     if model not in ("resnet18", "alexnet")},
+                    key=lambda key: (list(MODELS).index(key[0]), key[1], key[2]))
     for model, batch, mode in shown:
         fovi = rows.get((model, "fovi", mode, batch))
         cells = []

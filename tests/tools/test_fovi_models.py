@@ -75,3 +75,29 @@ def test_the_breakdown_batches_are_an_option():
     bench.add_arguments(parser)
     assert parser.parse_args(["--profile-batches", "512,2048"]).profile_batches == [512, 2048]
     assert parser.parse_args([]).profile_batches is None
+
+
+def test_the_other_families_build_with_the_published_sensor():
+    from fovi.arch.knn import KNNDepthwiseSeparableConvLayer
+    from fovi.models.knnresnet import KNNResNetBottleneck
+
+    resnet50 = fovi_models.build_fovi("resnet50", 32, torch.device("cpu"))
+    assert [len(stage) for stage in (resnet50.layer1, resnet50.layer2, resnet50.layer3,
+                                     resnet50.layer4)] == [3, 4, 6, 3]
+    assert isinstance(resnet50.layer1[0], KNNResNetBottleneck)
+    separable = fovi_models.build_fovi("resnet18_dwsep", 32, torch.device("cpu"))
+    assert any(isinstance(m, KNNDepthwiseSeparableConvLayer) for m in separable.modules())
+
+
+def test_a_model_fovi_cannot_build_is_a_row_not_a_crash(tmp_path, monkeypatch):
+    def cannot_build(name, in_res, device):
+        raise TypeError("fovi's constructor failed")
+
+    monkeypatch.setattr(fovi_models, "build_fovi", cannot_build)
+    code = bench.main(["--fovi-model", "convnextv2", "--in-res", "8", "--batches", "2",
+                       "--repeats", "1", "--warmup", "0", "--device", "cpu",
+                       "--out", str(tmp_path), "--name", "unbuilt"])
+    assert code == 0
+    (row,) = json.loads((tmp_path / "unbuilt_fovi_models.json").read_text())["rows"]
+    assert (row["model"], row["status"]) == ("convnextv2", "error")
+    assert row["error"] == "build: TypeError: fovi's constructor failed"

@@ -30,7 +30,9 @@ What is routed, and how:
   (``batch_norms``; ``batch_norms_left``, with the reason, of which accelerate does not warn:
   such a layer costs a copy, not knnconv's kernels). Where fovi needs the contiguous storage
   of BatchNorm1d's output (a KNNResNet with a classifier flattens its last block's output,
-  pooled or not, with ``view``), the batch norm that gives it is left as it is. Plain
+  pooled or not, with ``view``), the batch norm that gives it returns its output contiguous,
+  explicitly: BatchNorm1d's own forward does so eagerly, but under torch.compile its output
+  keeps the input's strides, which that ``view`` cannot take. Plain
   BatchNorm1d layers are not routed: fovi's KNN backbones build each batch norm of theirs as a
   KNNBatchNorm, and a plain one may sit anywhere, before a consumer that needs contiguous
   storage.
@@ -359,14 +361,24 @@ class _BatchNormRouter(_Router):
     CHANNELS_LAST = "channels_last"  # last_backend: the batch norm ran on the 4-D view
     OWN_FORWARD = "batch_norm1d"  # last_backend: BatchNorm1d's forward ran
 
-    def __init__(self, layer: nn.Module, backend: str) -> None:
+    def __init__(self, layer: nn.Module, backend: str, *,
+                 contiguous_output: bool = False) -> None:
         super().__init__(layer)  # backend names the convolution backends, not a batch norm's
+        self.contiguous_output = contiguous_output
 
     def describe(self) -> str:
+        if self.contiguous_output:
+            return ("torch's batch norm on the channels_last [B, C, N, 1] view of channels-last "
+                    "input, its output then made contiguous (fovi flattens it with view); "
+                    "BatchNorm1d's forward, made contiguous, on other input")
         return ("torch's batch norm on the channels_last [B, C, N, 1] view of channels-last "
                 "input, whose storage the output keeps; BatchNorm1d's forward on other input")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._normalised(x)
+        return y.contiguous() if self.contiguous_output else y
+
+    def _normalised(self, x: torch.Tensor) -> torch.Tensor:
         layer = self.layer
         if x.dim() != 3 or x.is_contiguous() or not x.unsqueeze(-1).is_contiguous(
                 memory_format=torch.channels_last):
@@ -439,14 +451,15 @@ def _router_class(layer: nn.Module, routers: dict[type, type[_Router]]) -> type[
     return routers[fovi_class].for_layer(layer)
 
 
-def _batch_norms_flattened_by_view(model: nn.Module) -> set[nn.Module]:
-    """The KNNBatchNorm layers whose output fovi flattens with ``view``, which needs it in the
-    contiguous storage of BatchNorm1d's own forward.
+def _flattened_by_view(model: nn.Module) -> set[nn.Module]:
+    """The layers whose output fovi flattens with ``view``, which needs it in the contiguous
+    storage of BatchNorm1d's own forward.
 
     fovi's KNNResNet with a classifier views the output of its last block, or of the output
     pooling after it, which keeps its input's storage; that block computes relu(last norm +
     identity), whose in-place add and ReLU keep the storage of the last norm's output. Of a
-    block of another class, whose forward this module cannot know, every batch norm is taken.
+    block of another class, whose forward this module cannot know, every layer is taken: its
+    batch norms return contiguous output, its other layers are left as they are.
     """
     knnresnet = sys.modules.get("fovi.models.knnresnet")  # loaded by a model that holds one
     if knnresnet is None:
@@ -690,15 +703,19 @@ def accelerate_with_report(model: nn.Module,
         module.forward = forward
         report.forwards_rebound.append(entry)
     routers = _routers()
-    flattened_by_view = _batch_norms_flattened_by_view(model)
+    flattened_by_view = _flattened_by_view(model)
     for name, layer in model.named_modules():
         if not isinstance(layer, (fovi_knn.KNNBaseLayer, fovi_norm.KNNBatchNorm)):
             continue
         try:
-            if layer in flattened_by_view:
+            router_class = _router_class(layer, routers)
+            if layer not in flattened_by_view:
+                router = router_class(layer, backend)
+            elif router_class is _BatchNormRouter:
+                router = router_class(layer, backend, contiguous_output=True)
+            else:  # a layer of a block this module does not know
                 raise _Unroutable("fovi flattens its output with view, which needs the "
                                   "contiguous storage of its own forward")
-            router = _router_class(layer, routers)(layer, backend)
         except _Unroutable as why:
             left = (report.batch_norms_left if isinstance(layer, fovi_norm.KNNBatchNorm)
                     else report.left)
