@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from knnconv.ops.cuda.build import (
-    ARCHITECTURE_KERNELS,
     KERNEL_DIR,
-    KERNEL_SOURCE,
+    KERNEL_SOURCES,
     kernel_code,
+    kernel_target,
     neighbourhood_name,
     nvrtc_options,
     transpose_name,
@@ -38,9 +38,12 @@ ARCHITECTURES = ("sm_80", "sm_90", "sm_120")
 NVCC = shutil.which("nvcc")
 
 
-def default_instantiations() -> list[str]:
-    names = set()
+def default_instantiations() -> dict[Path, list[str]]:
+    """Every kernel the default tile rules can pick, every re-layout and every pooling and
+    depthwise kernel, by the source file each is built from (build.KERNEL_SOURCES)."""
+    by_family: dict[str, set[str]] = {}
     for family in FAMILIES:
+        names = by_family.setdefault(family, set())
         for rule in tile_rules()[family]:
             cfg = check_config(family, KernelConfig(*rule["config"]))
             for dtype in (torch.float16, torch.bfloat16):
@@ -50,6 +53,7 @@ def default_instantiations() -> list[str]:
                 if family == "grad_weight":  # reading channels-last grad_y in place
                     names.add(kernel_name(family, dtype, cfg, grad_in_place=True))
     for family in CHANNELS_LAST_FAMILIES:
+        names = by_family.setdefault(family, set())
         for rule in tile_rules()[family]:
             cfg = check_config(family, KernelConfig(*rule["config"]))
             for dtype in (torch.float16, torch.bfloat16):
@@ -57,8 +61,9 @@ def default_instantiations() -> list[str]:
                 if family == "gather_cl":  # dx of a float32 x, stored as float32
                     names.add(kernel_name(family, dtype, cfg, torch.float32))
     floats = (torch.float32, torch.float16, torch.bfloat16)
-    names.update(transpose_name(source, target, pairs) for source in floats for target in floats
-                 for pairs in (False, True))
+    by_family["transpose"] = {transpose_name(source, target, pairs) for source in floats
+                              for target in floats for pairs in (False, True)}
+    names = by_family["neighbourhood"] = set()
     for dtype in floats:  # the pooling / depthwise kernels, in every dtype they serve
         names.update(neighbourhood_name("knn_pool_forward", dtype, mode=mode)
                      for mode in POOL_MODE_CODES.values())
@@ -72,7 +77,16 @@ def default_instantiations() -> list[str]:
         names.add(neighbourhood_name("knn_depthwise_grad_weight", dtype))
         names.update(neighbourhood_name("knn_depthwise_grad_input", dtype, grad)
                      for grad in floats)
-    return sorted(names)
+    by_source: dict[Path, set[str]] = {}
+    for family, names in by_family.items():
+        source, architecture = KERNEL_SOURCES[family]
+        assert architecture is None
+        by_source.setdefault(source, set()).update(names)
+    return {source: sorted(names) for source, names in by_source.items()}
+
+
+def every_default_instantiation() -> list[str]:
+    return [name for names in default_instantiations().values() for name in names]
 
 
 def architecture_instantiations(family: str) -> list[str]:
@@ -88,7 +102,7 @@ def architecture_instantiations(family: str) -> list[str]:
 
 
 def _compile(names: list[str], arch: str, tmp_path, *flags: str,
-             source: Path = KERNEL_SOURCE) -> subprocess.CompletedProcess:
+             source: Path) -> subprocess.CompletedProcess:
     """nvcc over a unit that takes each kernel's address, which instantiates exactly the NVRTC
     name expressions; the output lands in tmp_path / "kernels"."""
     unit = tmp_path / "instantiate.cu"
@@ -117,7 +131,7 @@ def test_every_tile_rule_is_a_valid_config():
     channels_last = {(family, tuple(rule["config"])) for family in CHANNELS_LAST_FAMILIES
                      for rule in rules[family]}
     per_dtype += sum(2 if family == "gather_cl" else 1 for family, _ in channels_last)
-    gemms = [name for name in default_instantiations()
+    gemms = [name for name in every_default_instantiation()
              if "knn_forward" in name or "knn_grad_" in name or "knn_gather_cl" in name]
     assert len(gemms) == 2 * per_dtype
 
@@ -134,8 +148,7 @@ def load_nvrtc():
     return None
 
 
-def _nvrtc_report(nvrtc, names: list[str], arch: str,
-                  source: Path = KERNEL_SOURCE) -> tuple[int, str]:
+def _nvrtc_report(nvrtc, names: list[str], arch: str, source: Path) -> tuple[int, str]:
     """Compile ``names`` as CuPy does (one program, name expressions, nvrtc_options) with
     ptxas' resource report; (NVRTC status, log)."""
     program = ctypes.c_void_p()
@@ -172,10 +185,10 @@ def assert_no_spills(report: str, names: list[str], where: str) -> None:
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on the PATH")
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_default_instantiations_compile_without_spills(arch, tmp_path):
-    names = default_instantiations()
-    result = _compile(names, arch, tmp_path, "-cubin", "--resource-usage")
-    assert result.returncode == 0, result.stderr
-    assert_no_spills(result.stdout + result.stderr, names, f"nvcc {arch}")
+    for source, names in default_instantiations().items():
+        result = _compile(names, arch, tmp_path, "-cubin", "--resource-usage", source=source)
+        assert result.returncode == 0, result.stderr
+        assert_no_spills(result.stdout + result.stderr, names, f"nvcc {arch} {source.name}")
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -185,10 +198,10 @@ def test_default_instantiations_compile_without_spills_under_nvrtc(arch):
     nvrtc = load_nvrtc()
     if nvrtc is None:
         pytest.skip("the nvidia-cuda-nvrtc 13 wheel is not installed (pip install -e '.[dev]')")
-    names = default_instantiations()
-    status, report = _nvrtc_report(nvrtc, names, arch)
-    assert status == 0, report
-    assert_no_spills(report, names, f"NVRTC {arch}")
+    for source, names in default_instantiations().items():
+        status, report = _nvrtc_report(nvrtc, names, arch, source)
+        assert status == 0, report
+        assert_no_spills(report, names, f"NVRTC {arch} {source.name}")
 
 
 # ptxas' notes that it serialised warpgroup MMAs or waited for them where the source does not
@@ -196,10 +209,11 @@ def test_default_instantiations_compile_without_spills_under_nvrtc(arch):
 SERIALISED_MMA = re.compile(r"\(C75\d\d\)[^\n]*")
 
 
-@pytest.mark.parametrize("family", sorted(ARCHITECTURE_KERNELS))
+@pytest.mark.parametrize("family", sorted(ARCHITECTURE_FAMILIES))
 def test_architecture_kernels_compile_for_their_target_without_spills_or_serialisation(
         family, tmp_path):
-    source, target = ARCHITECTURE_KERNELS[family]
+    target = kernel_target(family)
+    source, target = target["source"], target["architecture"]
     major, minor = ARCHITECTURE_FAMILIES[family]
     assert target == f"sm_{major}{minor}a"
     names = architecture_instantiations(family)
@@ -224,11 +238,13 @@ def test_architecture_kernels_compile_for_their_target_without_spills_or_seriali
 def test_every_fragment_load_reads_shared_memory_in_both_dtypes(tmp_path):
     # Fragments are always staged in shared memory; a wmma.load without the .shared state
     # space is a generic load ptxas cannot turn into ldmatrix (bf16 ran 1.22-1.31x slower).
-    names = [name for name in default_instantiations()
-             if "knn_forward" in name or "knn_grad_" in name or "knn_gather_cl" in name]
-    result = _compile(names, "sm_90", tmp_path, "-ptx")
-    assert result.returncode == 0, result.stderr
-    loads = re.findall(r"wmma\.load\.[ab]\.[\w.]+", (tmp_path / "kernels").read_text())
+    loads = []
+    for family in ("forward", "gather_cl"):  # the two GEMM sources
+        source = kernel_target(family)["source"]
+        names = default_instantiations()[source]
+        result = _compile(names, "sm_90", tmp_path, "-ptx", source=source)
+        assert result.returncode == 0, result.stderr
+        loads += re.findall(r"wmma\.load\.[ab]\.[\w.]+", (tmp_path / "kernels").read_text())
     assert {load.rsplit(".", 1)[1] for load in loads} == {"f16", "bf16"}
     generic = sorted({load for load in loads if ".shared." not in load})
     assert not generic, f"fragment loads from generic addresses: {generic}"

@@ -20,7 +20,7 @@ class UnbuiltKernel:
 
 def stub_device(monkeypatch, shared_memory_limit: int = 227 * 1024) -> None:
     """Kernels never built, and an H200's limits for every device query."""
-    monkeypatch.setattr(launch, "get_kernel", lambda name, index: UnbuiltKernel())
+    monkeypatch.setattr(launch, "get_kernel", lambda name, index, **target: UnbuiltKernel())
     monkeypatch.setattr(launch, "shared_memory_limit", lambda index: shared_memory_limit)
     monkeypatch.setattr(launch, "multiprocessors", lambda index: 132)
     monkeypatch.setattr(launch, "capability", lambda index: (9, 0))

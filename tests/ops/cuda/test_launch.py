@@ -37,7 +37,7 @@ class UnbuiltKernel:
 
 @pytest.fixture
 def unbuilt(monkeypatch):
-    monkeypatch.setattr(launch, "get_kernel", lambda name, index: UnbuiltKernel())
+    monkeypatch.setattr(launch, "get_kernel", lambda name, index, **target: UnbuiltKernel())
 
 
 def test_a_relayout_reports_the_kernel_and_tile_each_call_takes(unbuilt):

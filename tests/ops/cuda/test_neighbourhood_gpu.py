@@ -260,8 +260,8 @@ def test_channels_last_pool_loads_the_widest_aligned_channel_run(dtype, channels
                                                                   monkeypatch):
     launched = []
     get_kernel = neighbourhood.get_kernel
-    monkeypatch.setattr(neighbourhood, "get_kernel", lambda name, index: (
-        launched.append(name), get_kernel(name, index))[1])
+    monkeypatch.setattr(neighbourhood, "get_kernel", lambda name, index, **target: (
+        launched.append(name), get_kernel(name, index, **target))[1])
     _, knn = table_with_all_padding_node(channels + offset, nin=POOL_NIN, nout=25, k=7,
                                          padding=0.2)
     x, grad_y = pool_inputs(channels, 17, channels, knn, mode, dtype)

@@ -22,7 +22,7 @@ class StubKernel:
 
 
 class EmulatedDevice:
-    """transpose_pad and transpose_pairs (knn_conv.cu) run on CPU tensors by address:
+    """transpose_pad and transpose_pairs (knn_relayout.cu) run on CPU tensors by address:
     dst[z*dst_sz + c*dst_sc + a] = src[z*src_sz + a*src_sa + c*src_sc] for z < gridDim.z,
     a < dst_a, c < dst_c, zero past the source extents; and cudaMemsetAsync. Every address must
     lie in a registered tensor's storage, every write inside it, no element written twice."""
@@ -78,7 +78,7 @@ class EmulatedDevice:
 @pytest.fixture
 def device(monkeypatch):
     emulated = EmulatedDevice()
-    monkeypatch.setattr(launch, "get_kernel", lambda name, index: StubKernel(name))
+    monkeypatch.setattr(launch, "get_kernel", lambda name, index, **target: StubKernel(name))
     monkeypatch.setattr(launch, "shared_memory_limit", lambda index: 227 * 1024)
     monkeypatch.setattr(launch, "multiprocessors", lambda index: 132)
     monkeypatch.setattr(launch, "capability", lambda index: (9, 0))

@@ -97,7 +97,7 @@ def test_threads_asking_for_one_kernel_build_it_once(monkeypatch):
 
     def run(slot):
         barrier.wait()
-        kernels[slot] = build.get_kernel(name, 0)
+        kernels[slot] = build.get_kernel(name, 0, **build.kernel_target("transpose"))
 
     threads = [threading.Thread(target=run, args=(slot,)) for slot in range(2)]
     for thread in threads:

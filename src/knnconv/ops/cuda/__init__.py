@@ -15,7 +15,7 @@ configs           KernelConfig, its validation, the default tiles (tiles.json)
 gemm              knn_forward, knn_grad_input(_scatter), knn_grad_weight on re-laid-out operands,
                   and the functional API (forward, grad_input, grad_weight, backward...)
 channels_last     knn_gather_cl(_wgmma), knn_grad_weight_cl on channels-last x and grad_y
-neighbourhood     the pooling and depthwise kernels (knn_neighbourhood.cuh)
+neighbourhood     the pooling and depthwise kernels (knn_neighbourhood.cu)
 relayout          the re-layouts of x, grad_y, the weight and dx; the reversed graph
 launch            raw launches: cuLaunchKernel, memsets, the transpose kernels, device limits
 build             NVRTC compilation and the module cache

@@ -256,7 +256,7 @@ class CudaOps(FirstUseChecks, GradientsFirstOps):
         self._check_gradients(plan, keys, first, grads, grad_y, x, weight)
         return grads
 
-    # The neighbourhood ops, on the kernels of knn_neighbourhood.cuh: every dx is a gather over
+    # The neighbourhood ops, on the kernels of knn_neighbourhood.cu: every dx is a gather over
     # the reversed graph (deterministic); the depthwise dW sums per block and adds with fp32
     # atomics, its bias gradient is a torch sum.
     serves_neighbourhood = True

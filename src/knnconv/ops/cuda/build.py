@@ -13,17 +13,24 @@ import os
 import shutil
 import sys
 import threading
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import torch  # noqa: F401  (must be imported before cupy, see module docstring)
 
 from ... import context
+from .configs import CHANNELS_LAST_FAMILIES, FAMILIES
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
-KERNEL_SOURCE = KERNEL_DIR / "knn_conv.cu"
-# kernels built for one architecture only, from their own source: family -> (source, target)
-ARCHITECTURE_KERNELS = {"gather_cl_wgmma": (KERNEL_DIR / "knn_conv_sm90.cu", "sm_90a")}
+# One family of kernels per source file: each launch family's source, and the target it is
+# built for (None: the device's own architecture)
+KERNEL_SOURCES = {
+    **dict.fromkeys(FAMILIES, (KERNEL_DIR / "knn_gemm.cu", None)),
+    **dict.fromkeys(CHANNELS_LAST_FAMILIES, (KERNEL_DIR / "knn_gemm_channels_last.cu", None)),
+    "gather_cl_wgmma": (KERNEL_DIR / "knn_gemm_channels_last_sm90.cu", "sm_90a"),
+    "transpose": (KERNEL_DIR / "knn_relayout.cu", None),
+    "neighbourhood": (KERNEL_DIR / "knn_neighbourhood.cu", None),
+}
 # CUfunction_attribute CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES of the driver API
 _MAX_DYNAMIC_SHARED_ATTRIBUTE = 8
 REQUIRED_HEADERS = ("cuda_fp16.h", "cuda_bf16.h", "mma.h")
@@ -127,9 +134,9 @@ class CompiledKernel:
             self.dynamic_shared_limit = size
 
 
-@lru_cache(maxsize=4)
-def kernel_code(source: Path = KERNEL_SOURCE) -> str:
-    """A kernel source (knn_conv.cu by default) headed by a digest of every kernel file:
+@cache
+def kernel_code(source: Path) -> str:
+    """A kernel source headed by a digest of every kernel file:
     CuPy's on-disk cache keys on the code string, and the headers it includes would otherwise
     not take part."""
     digest = hashlib.sha256()
@@ -140,7 +147,7 @@ def kernel_code(source: Path = KERNEL_SOURCE) -> str:
 
 def neighbourhood_name(kernel: str, dtype: torch.dtype, grad_dtype: torch.dtype | None = None,
                        mode: int | None = None, vector: int | None = None) -> str:
-    """The NVRTC name expression of a pooling / depthwise kernel (knn_neighbourhood.cuh).
+    """The NVRTC name expression of a pooling / depthwise kernel (knn_neighbourhood.cu).
     ``vector``: the channels a channels-last pooling kernel moves per load."""
     arguments = [SCALAR_TYPES[dtype]]
     if grad_dtype is not None:
@@ -158,12 +165,10 @@ def nvrtc_options() -> tuple[str, ...]:
 
 
 def kernel_target(family: str) -> dict:
-    """get_kernel's source and target architecture for a kernel family (none: knn_conv.cu for
-    the device's own architecture)."""
-    if family in ARCHITECTURE_KERNELS:
-        source, architecture = ARCHITECTURE_KERNELS[family]
-        return {"source": source, "architecture": architecture}
-    return {}
+    """get_kernel's source and target architecture for a kernel family (KERNEL_SOURCES; the
+    re-layouts are family "transpose", the pooling and depthwise kernels "neighbourhood")."""
+    source, architecture = KERNEL_SOURCES[family]
+    return {"source": source, "architecture": architecture}
 
 
 def _compile_for(architecture: str, source: Path, name: str) -> tuple[bytes, str]:
@@ -186,10 +191,10 @@ def _compile_for(architecture: str, source: Path, name: str) -> tuple[bytes, str
         nvrtc.destroyProgram(program)
 
 
-def get_kernel(name: str, device_index: int, *, source: Path = KERNEL_SOURCE,
+def get_kernel(name: str, device_index: int, *, source: Path,
                architecture: str | None = None) -> CompiledKernel:
     """The compiled kernel named by an NVRTC name expression, on one device, built once:
-    from ``source`` (knn_conv.cu) for the device's architecture through CuPy's RawModule
+    from ``source`` (see kernel_target) for the device's architecture through CuPy's RawModule
     (cached on disk), or, given ``architecture``, for that target (see _compile_for).
 
     Compilation is serialised so that threads asking for the same kernel compile it once.

@@ -1,7 +1,7 @@
 """Launch plans of the channels-last kernels: x and grad_y read where the layers keep them.
 
 A KNN layer's activations live in channels-last storage (the [B, C, N] view of a contiguous
-[B, N, C] buffer). The kernels of knn_conv.cu's channels-last section gather whole 16-byte runs
+[B, N, C] buffer). The kernels of knn_gemm_channels_last.cu gather whole 16-byte runs
 along the channels of each neighbour straight from that storage, so neither x nor grad_y is
 re-laid out: the forward and dx are one gather-GEMM kernel (knn_gather_cl: over each output
 node's real neighbours, or over each input node's (output node, cell) pairs), dW is

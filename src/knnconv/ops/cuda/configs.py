@@ -24,8 +24,9 @@ cl             one entry (divides Cin)
 =============  ===================  ===================  ==========================
 
 On Hopper (compute capability 9.0) gather_cl has a warpgroup-MMA variant, gather_cl_wgmma
-(kernels/knn_conv_sm90.cu, built for sm_90a), warp-specialised: ``rb`` consumer warpgroups of
-four warps each own ``bm`` = 64 batch rows (so ``wm`` = 4 * rb, ``wn`` = 1) and one more
+(kernels/knn_gemm_channels_last_sm90.cu, built for sm_90a), warp-specialised: ``rb``
+consumer warpgroups of four warps each own ``bm`` = 64 batch rows (so ``wm`` = 4 * rb,
+``wn`` = 1) and one more
 warpgroup stages the tiles (:func:`block_threads` counts it); ``bn`` is 64, 128 or 256 (one
 wgmma's N), and ``ksteps`` >= 3 stages, staged ksteps - 2 tiles ahead. tiles.json's
 ``gather_cl_wgmma`` rules are tried first there when knnconv.context's ``warpgroup_mma`` is
@@ -57,7 +58,7 @@ FAMILIES = ("forward", "grad_input", "grad_input_scatter", "grad_weight")
 CHANNELS_LAST_FAMILIES = ("gather_cl", "grad_weight_cl")
 # variants for one architecture: family -> the compute capability it runs on
 ARCHITECTURE_FAMILIES = {"gather_cl_wgmma": (9, 0)}
-WGMMA_TILE_N = (64, 128, 256)  # the wgmma shapes knn_conv_sm90.cu instantiates
+WGMMA_TILE_N = (64, 128, 256)  # the wgmma shapes knn_gemm_channels_last_sm90.cu instantiates
 # warp-specialised families: a warpgroup beyond the tile's wm x wn warps stages the operands
 STAGING_WARPGROUP_FAMILIES = ("gather_cl_wgmma",)
 ELEMENT_BYTES = 2

@@ -176,7 +176,8 @@ class Transpose:
         if dst_z > MAX_GRID_YZ:  # one z per CTA layer; the kernels loop over a, not z
             raise ValueError(f"a re-layout of {dst_z} matrices exceeds CUDA's grid limit "
                              f"({MAX_GRID_YZ}); split the batch")
-        self.kernel = get_kernel(transpose_name(src_dtype, dst_dtype), device_index)
+        self.kernel = get_kernel(transpose_name(src_dtype, dst_dtype), device_index,
+                                 **kernel_target("transpose"))
         self.device_index = device_index
         log_a, log_c = transpose_tile_log2(dst_a, dst_c)
         self.grid = self._grid(1 << log_a, 1 << log_c, dst_extents, sums_z)
@@ -186,7 +187,7 @@ class Transpose:
         square = (SQUARE_TILE_LOG2, SQUARE_TILE_LOG2)
         if (log_a, log_c) == square and all(stride % 2 == 0 for stride in dst_strides):
             self.pairs_kernel = get_kernel(transpose_name(src_dtype, dst_dtype, pairs=True),
-                                           device_index)
+                                           device_index, **kernel_target("transpose"))
             self.pairs_grid = self._grid(PAIRS_TILE, PAIRS_TILE, dst_extents, sums_z)
             self.pair_bytes = (2 * src_dtype.itemsize, 2 * dst_dtype.itemsize)
 

@@ -1,4 +1,4 @@
-"""Launches of the per-channel neighbourhood kernels (kernels/knn_neighbourhood.cuh): KNN
+"""Launches of the per-channel neighbourhood kernels (kernels/knn_neighbourhood.cu): KNN
 pooling and depthwise KNN convolution, forward and backward.
 
 Every gradient with respect to x is a gather over the reversed graph (atomic-free,
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..registry import empty_in_storage, in_storage, is_channels_last
-from .build import get_kernel, neighbourhood_name
+from .build import get_kernel, kernel_target, neighbourhood_name
 from .launch import data_pointer, launch_kernel
 from .launch_plan import MAX_GRID_YZ
 from .relayout import ReverseTables, reverse_tables
@@ -59,8 +59,8 @@ def _run(name: str, device: torch.device, extent: int, rows: int, args: tuple, *
     if rows == 0 or extent == 0:
         return
     grid = grid or (-(-extent // THREADS), min(rows, MAX_GRID_YZ), 1)
-    launch_kernel(get_kernel(name, device.index), device.index, grid, (THREADS, 1, 1), shared,
-                  args)
+    kernel = get_kernel(name, device.index, **kernel_target("neighbourhood"))
+    launch_kernel(kernel, device.index, grid, (THREADS, 1, 1), shared, args)
 
 
 # Each thread of the channels-last pooling kernels moves a run of channels in one load of at

@@ -10,7 +10,7 @@
 // respect to x is a gather: atomic-free and deterministic. Rows (or, channels-last, batch
 // elements) are walked with a grid-stride loop over gridDim.y (B*C may exceed its 65535
 // limit); accumulation is in fp32.
-#pragma once
+#include "knn_common.cuh"
 
 namespace knnconv {
 

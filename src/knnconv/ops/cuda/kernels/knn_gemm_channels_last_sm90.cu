@@ -1,6 +1,6 @@
 // Hopper (sm_90a) variants of the channels-last gather: warpgroup MMA (wgmma.mma_async) on
 // operand tiles in shared memory, compiled only for sm_90a (build.py). The layouts, tables and
-// results are knn_gather_cl's (knn_conv.cu); only how a tile is staged and multiplied differs.
+// results are knn_gather_cl's (knn_gemm_channels_last.cu); only how a tile is staged and multiplied differs.
 //
 // Operand tiles are staged in wgmma's no-swizzle core-matrix layout: a core matrix is 8 rows
 // of 16 contiguous bytes (8 elements), 128 bytes in all. Per 16-deep K step, a tile is
