@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -104,8 +106,8 @@ def architecture_instantiations(family: str) -> list[str]:
 def _compile(names: list[str], arch: str, tmp_path, *flags: str,
              source: Path) -> subprocess.CompletedProcess:
     """nvcc over a unit that takes each kernel's address, which instantiates exactly the NVRTC
-    name expressions; the output lands in tmp_path / "kernels"."""
-    unit = tmp_path / "instantiate.cu"
+    name expressions; the output lands in tmp_path / "<source stem>.out"."""
+    unit = tmp_path / f"instantiate_{source.stem}.cu"
     unit.write_text(
         f'#include "{source.name}"\n'
         + "void* knnconv_kernels[] = {\n"
@@ -114,7 +116,7 @@ def _compile(names: list[str], arch: str, tmp_path, *flags: str,
     )
     return subprocess.run(
         [NVCC, "-std=c++17", f"-I{KERNEL_DIR}", f"-arch={arch}", *flags,
-         "-o", str(tmp_path / "kernels"), str(unit)],
+         "-o", str(tmp_path / f"{source.stem}.out"), str(unit)],
         capture_output=True, text=True, timeout=600,
     )
 
@@ -185,10 +187,14 @@ def assert_no_spills(report: str, names: list[str], where: str) -> None:
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on the PATH")
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_default_instantiations_compile_without_spills(arch, tmp_path):
-    for source, names in default_instantiations().items():
-        result = _compile(names, arch, tmp_path, "-cubin", "--resource-usage", source=source)
-        assert result.returncode == 0, result.stderr
-        assert_no_spills(result.stdout + result.stderr, names, f"nvcc {arch} {source.name}")
+    sources = default_instantiations()
+    # one nvcc per source, as many at once as there are CPUs (each is a process of its own)
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        results = pool.map(lambda source: _compile(sources[source], arch, tmp_path, "-cubin",
+                                                   "--resource-usage", source=source), sources)
+        for (source, names), result in zip(sources.items(), results, strict=True):
+            assert result.returncode == 0, result.stderr
+            assert_no_spills(result.stdout + result.stderr, names, f"nvcc {arch} {source.name}")
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -238,13 +244,15 @@ def test_architecture_kernels_compile_for_their_target_without_spills_or_seriali
 def test_every_fragment_load_reads_shared_memory_in_both_dtypes(tmp_path):
     # Fragments are always staged in shared memory; a wmma.load without the .shared state
     # space is a generic load ptxas cannot turn into ldmatrix (bf16 ran 1.22-1.31x slower).
+    sources = [kernel_target(family)["source"] for family in ("forward", "gather_cl")]
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # the two GEMM sources
+        results = list(pool.map(lambda source: _compile(
+            default_instantiations()[source], "sm_90", tmp_path, "-ptx", source=source), sources))
     loads = []
-    for family in ("forward", "gather_cl"):  # the two GEMM sources
-        source = kernel_target(family)["source"]
-        names = default_instantiations()[source]
-        result = _compile(names, "sm_90", tmp_path, "-ptx", source=source)
+    for source, result in zip(sources, results, strict=True):
         assert result.returncode == 0, result.stderr
-        loads += re.findall(r"wmma\.load\.[ab]\.[\w.]+", (tmp_path / "kernels").read_text())
+        loads += re.findall(r"wmma\.load\.[ab]\.[\w.]+",
+                            (tmp_path / f"{source.stem}.out").read_text())
     assert {load.rsplit(".", 1)[1] for load in loads} == {"f16", "bf16"}
     generic = sorted({load for load in loads if ".shared." not in load})
     assert not generic, f"fragment loads from generic addresses: {generic}"
