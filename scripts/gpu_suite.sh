@@ -52,8 +52,8 @@ fi
 # every backend's half-precision error at gradient scales 1e-8 .. 1e4, against float64
 stage magnitudes 120 python3 scripts/gradient_magnitudes.py --device cuda \
   --out "$out/logs/gpu_gradient_magnitudes.json"
-stage bench 240 python3 -m knnconv.tools.bench --geometry "$geometry" --stems --out "$out" \
-  --dtypes float16 --backends reference,torch_compact,cuda,triton --check --repeats 30 --warmup 3
+stage bench 400 python3 -m knnconv.tools.bench --geometry "$geometry" --stems --out "$out" \
+  --dtypes float16 --backends reference,torch_compact,cuda,triton,auto --check --repeats 30 --warmup 3
 mv -f "$out/h200.csv" "$out/logs/" 2>/dev/null
 stage networks 60 python3 -m knnconv.tools.bench_networks --geometry "$geometry" --out "$out"
 # the example networks' training steps, eager and under torch.compile(mode="reduce-overhead")
