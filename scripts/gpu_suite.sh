@@ -86,6 +86,8 @@ stage demo 60 python3 -m knnconv demo --out "$out/demo.png"
 stage fovi_models 600 python3 -m knnconv bench \
   --fovi-model resnet18,alexnet,resnet50,resnet18_dwsep,convnextv2 --batches 512,2048 \
   --out "$out/logs"
+# fovi's models under DistributedDataParallel at every world size the machine has
+stage ddp 600 python3 scripts/ddp_scaling.py "$out/logs/ddp"
 # a fovi KNNAlexNet trained through fovi's own layers and through knnconv, two seeds each
 stage convergence 180 python3 scripts/convergence_parity.py --out "$out"
 stage profile 60 env KNNCONV_CPROFILE=1 python3 scripts/profile_cells.py "$geometry" \

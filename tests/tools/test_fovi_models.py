@@ -101,3 +101,54 @@ def test_a_model_fovi_cannot_build_is_a_row_not_a_crash(tmp_path, monkeypatch):
     (row,) = json.loads((tmp_path / "unbuilt_fovi_models.json").read_text())["rows"]
     assert (row["model"], row["status"]) == ("convnextv2", "error")
     assert row["error"] == "build: TypeError: fovi's constructor failed"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_one_rank_of_the_ddp_bench_times_every_path(tmp_path, monkeypatch):
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    code = bench.main(["--fovi-model", "alexnet", "--ddp", "--in-res", "8", "--batches", "2",
+                       "--repeats", "1", "--warmup", "0", "--device", "cpu",
+                       "--out", str(tmp_path), "--name", "one"])
+    assert code == 0
+    result = json.loads((tmp_path / "one_ddp.json").read_text())
+    assert result["world_size"] == 1
+    rows = {row["path"]: row for row in result["rows"]}
+    for path in ("fovi", "accelerated"):
+        row = rows[path]
+        assert (row["status"], row["world_size"], row["batch_per_rank"]) == ("ok", 1, 2), row
+        assert row["images_per_s"] == pytest.approx(2 / row["median_ms"] * 1e3)
+    expected_grid = "skipped" if importlib.util.find_spec("torchvision") is None else "ok"
+    assert rows["grid"]["status"] == expected_grid
+
+
+def test_the_ddp_bench_outside_torchrun_says_how_to_launch_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    code = bench.main(["--fovi-model", "alexnet", "--ddp", "--device", "cpu",
+                       "--out", str(tmp_path)])
+    assert code == 2
+    assert "torchrun" in capsys.readouterr().err
+
+
+def test_scaling_efficiency_is_against_one_rank_of_the_same_cell():
+    from knnconv.tools.fovi_ddp import scaling
+
+    def run(world, rates):
+        return {"rows": [{"model": "resnet18", "path": path, "world_size": world,
+                          "batch_per_rank": 512, "status": "ok", "images_per_s": rate}
+                         for path, rate in rates.items()]}
+
+    table = scaling([run(1, {"accelerated": 100.0, "grid": 80.0}),
+                     run(2, {"accelerated": 190.0, "grid": 160.0}),
+                     run(4, {"accelerated": 360.0})])
+    efficiency = {(row["path"], row["world_size"]): row["scaling_efficiency"] for row in table}
+    assert efficiency == {("accelerated", 1): 1.0, ("accelerated", 2): 0.95,
+                          ("accelerated", 4): 0.9, ("grid", 1): 1.0, ("grid", 2): 1.0}

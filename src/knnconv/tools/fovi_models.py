@@ -44,6 +44,7 @@ DEFAULTS = {
     "cuda": {"batches": [128, 512, 2048], "warmup": 3, "repeats": 15},
     "cpu": {"batches": [2], "warmup": 1, "repeats": 3},
 }
+DDP_BATCH_PER_GPU = 512  # --ddp's default batch per rank on GPUs
 # Where the step is long, fewer repeats keep the whole run within minutes; the median of five
 # steps of a second or more is as steady as fifteen of a shorter step.
 LARGE_BATCH, LARGE_BATCH_REPEATS = 2048, 5
@@ -68,6 +69,11 @@ def add_fovi_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--in-res", type=int_at_least(4), default=64,
                         help="with --fovi-model: the fovi sensor's in_res (default 64, the "
                              "published setting; smaller for a CPU smoke run)")
+    parser.add_argument("--ddp", action="store_true",
+                        help="with --fovi-model, under torchrun: time the training step of each "
+                             "rank's DistributedDataParallel replica (fovi's path, accelerated, "
+                             "grid) at --batches per rank (default 512 on GPUs, 2 on a CPU); "
+                             "scripts/ddp_scaling.py runs it at every world size")
     parser.add_argument("--profile-batches", type=comma_list(int_at_least(1)),
                         metavar="BATCHES",
                         help="with --fovi-model on CUDA: the batches of the GPU-time "
@@ -415,11 +421,16 @@ def run(args: argparse.Namespace, device: torch.device) -> int:
     if accelerate is None:
         print(f"--fovi-model needs fovi: {FOVI_MISSING}", file=sys.stderr)
         return 2
-    defaults = DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
+    defaults = dict(DEFAULTS["cuda" if device.type == "cuda" else "cpu"])
+    if args.ddp and device.type == "cuda":
+        defaults["batches"] = [DDP_BATCH_PER_GPU]
     args.repeats_given = args.repeats is not None
     for option, value in defaults.items():
         if getattr(args, option) is None:
             setattr(args, option, value)
+    if args.ddp:
+        from .fovi_ddp import run as run_ddp
+        return run_ddp(args, device)
     description = device_description(device)
     print(f"device: {description}; torch {torch.__version__}, CUDA {torch.version.cuda}")
     rows: list[dict[str, Any]] = []
