@@ -13,8 +13,8 @@
 # at most eight files there (what a device run brings back); every stage's log, the main bench's
 # h200.csv (the rows of h200.json), and the example networks' (h200_alexnet.json,
 # h200_resnet18.json), neighbourhood, re-layout, torch_binned (h200_binned.*), host-path
-# (host.json), fovi whole-model (h200_fovi_models.*) and same-run anchor benchmarks' JSON/PNG
-# and the gather tuner's (tune_gather.json), in OUTDIR/logs.tar.gz (the anchor and
+# (host.json), fovi whole-model (h200_fovi_models.*) and fovi-kernel benchmarks' JSON/PNG
+# and the gather tuner's (tune_gather.json), in OUTDIR/logs.tar.gz (the fovi_kernels and
 # convergence stages need fovi, from WHEEL_DIR); each stage's exit status and time are
 # summarised in OUTDIR/summary.txt.
 # FOVI_TESTS: a file of fovi's own tests of the module-level kernel API (its
@@ -76,7 +76,8 @@ stage relayouts 60 python3 scripts/bench_relayouts.py "$out/logs/relayouts.json"
 stage bench_binned 120 python3 -m knnconv.tools.bench --geometry "$geometry" --out "$out/logs" \
   --dtypes float16 --backends torch_binned,cuda --modes forward,train --check --repeats 5 \
   --warmup 1 --name h200_binned
-stage anchor 240 python3 scripts/bench_anchor.py "$geometry" "$out/logs/anchor.json" --stems
+stage fovi_kernels 240 python3 scripts/bench_fovi_kernels.py "$geometry" \
+  "$out/logs/fovi_kernels.json" --stems
 stage host 60 python3 scripts/bench_host.py "$geometry" "$out/logs/host.json"
 stage neighbourhood 120 python3 scripts/bench_neighbourhood.py "$out/logs/neighbourhood.json"
 stage demo 60 python3 -m knnconv demo --out "$out/demo.png"

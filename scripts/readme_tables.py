@@ -101,8 +101,8 @@ def whole_models() -> str:
     return wrap(lines)
 
 
-def anchor_summaries(summary: dict) -> dict[str, dict]:
-    """bench_anchor.py's summary per knnconv backend (files written before it timed several
+def fovi_kernel_summaries(summary: dict) -> dict[str, dict]:
+    """bench_fovi_kernels.py's summary per knnconv backend (files written before it timed several
     backends hold one summary, the cuda backend's)."""
     return summary if "train_fresh_speedup_geomean" not in summary else {"cuda": summary}
 
@@ -114,10 +114,10 @@ BACKEND_LABELS = {"cuda": "`cuda`", "triton": "`triton`",
 
 
 def per_layer() -> str:
-    anchor = anchor_summaries(load("h200_anchor.json")["summary"])
+    fovi = fovi_kernel_summaries(load("h200_fovi_kernels.json")["summary"])
     bench = load("h200.json")
     lines = ["| per layer, geometric mean | training step | forward |", "|---|---|---|"]
-    for backend, entry in anchor.items():
+    for backend, entry in fovi.items():
         lines.append(
             f"| {BACKEND_LABELS[backend]}: speedup over fovi 2.4.0's kernels timed in the same "
             f"run, fresh operands ({entry['cells']} cells; {entry['train_fresh_cells_slower']} "
@@ -146,7 +146,7 @@ def per_layer() -> str:
                      f"(training floor >= {LARGE_FLOOR_MS} ms{scope}, {len(keys)} cells), eager "
                      f"| {geomean(train):.1f}% ({min(train):.1f}-{max(train):.1f}%) | "
                      f"{geomean(forward):.1f}% |")
-    for backend, entry in anchor.items():
+    for backend, entry in fovi.items():
         if backend in ("cuda", "auto"):
             lines.append(f"| {BACKEND_LABELS[backend]}: peak memory of a training step / "
                          f"fovi's (same run) | {entry['peak_train_memory_ratio_geomean']:.2f}x | |")

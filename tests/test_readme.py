@@ -154,7 +154,7 @@ def test_the_generated_figures_follow_the_files(tmp_path, monkeypatch):
     assert readme_tables.neighbourhood() != before
 
 
-@pytest.mark.parametrize("name", ["h200.json", "h200_anchor.json", "h200_fovi_models.json"])
+@pytest.mark.parametrize("name", ["h200.json", "h200_fovi_kernels.json", "h200_fovi_models.json"])
 def test_result_files_name_the_gpu_they_ran_on(name):
     assert "H200" in json.loads((RESULTS / name).read_text())["device"]
 

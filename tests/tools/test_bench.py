@@ -1,4 +1,5 @@
-"""knnconv.bench on the CPU: geometry sets, outputs, the reference check, anchors, the floor."""
+"""knnconv.bench on the CPU: geometry sets, outputs, the reference check, fovi's kernel times,
+the floor."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def test_geometry_set_writes_checked_rows(tmp_path):
     for row in rows:
         assert set(bench.ROW_FIELDS) <= set(row)
         assert row["floor_ms"] is None and row["pct_of_floor"] is None  # no ceilings on CPU
-        assert row["anchor_ms"] is None  # the anchor is fp16 only
+        assert row["fovi_ms"] is None  # fovi's times are fp16 only
         if row["backend"] in ("cuda", "triton"):  # the native backends: fp16/bf16 only
             assert row["status"] == "unsupported" and row["median_ms"] is None
             continue
@@ -116,43 +117,43 @@ def test_builtin_set_with_layer_filter(tmp_path):
     assert rows[0]["nin"] > rows[0]["nout"]  # a strided layer: one level coarser
 
 
-def test_anchor_times_fill_fp16_rows(tmp_path):
+def test_fovi_times_fill_fp16_rows(tmp_path):
     write_geometry_set(tmp_path)
-    anchors = tmp_path / "anchors.json"
-    anchors.write_text(json.dumps([
-        {"layer": "tiny:block.0.conv", "batch": 2, "floor_fwd_ms": 0.001, "anchor_fwd_ms": 0.5,
-         "reference_fwd_ms": 1.0, "floor_train_ms": 0.003, "anchor_train_ms": 1.5,
+    fovi_times = tmp_path / "fovi_kernel_times.json"
+    fovi_times.write_text(json.dumps([
+        {"layer": "tiny:block.0.conv", "batch": 2, "floor_fwd_ms": 0.001, "fovi_fwd_ms": 0.5,
+         "reference_fwd_ms": 1.0, "floor_train_ms": 0.003, "fovi_train_ms": 1.5,
          "reference_train_ms": 3.0},
     ]))
     rc = bench.main(["--geometry", str(tmp_path), "--layers", "block", *QUICK,
                      "--dtypes", "float16,float32", "--backends", "torch_compact",
-                     "--anchors", str(anchors), "--out", str(tmp_path)])
+                     "--fovi-times", str(fovi_times), "--out", str(tmp_path)])
     assert rc == 0
     for row in read_rows(tmp_path):
         if row["dtype"] == "float32":
-            assert row["anchor_ms"] is None and row["speedup_vs_anchor"] is None
+            assert row["fovi_ms"] is None and row["speedup_vs_fovi"] is None
         else:
-            assert row["anchor_ms"] == {"forward": 0.5, "train": 1.5}[row["mode"]]
-            assert row["speedup_vs_anchor"] == pytest.approx(row["anchor_ms"] / row["median_ms"])
+            assert row["fovi_ms"] == {"forward": 0.5, "train": 1.5}[row["mode"]]
+            assert row["speedup_vs_fovi"] == pytest.approx(row["fovi_ms"] / row["median_ms"])
     summary = json.loads((tmp_path / "cpu.json").read_text())["summary"]
-    assert [entry["backend"] for entry in summary["train_speedup_vs_anchor_geomean"]] == [
+    assert [entry["backend"] for entry in summary["train_speedup_vs_fovi_geomean"]] == [
         "torch_compact"]
 
 
-def test_repo_anchors_cover_the_anchor_table():
-    entries = json.loads(bench.REPO_ANCHORS.read_text())
+def test_the_repo_fovi_times_cover_its_table():
+    entries = json.loads(bench.REPO_FOVI_TIMES.read_text())
     assert len(entries) == 72 and len({(e["layer"], e["batch"]) for e in entries}) == 72
-    anchors = bench.load_anchors(bench.REPO_ANCHORS)
+    fovi_times = bench.load_fovi_times(bench.REPO_FOVI_TIMES)
     layer = "fovi-alexnet_a-0.5_res-64_rfmult-1:layers.0.conv"
-    assert anchors[(layer, 128, "forward")] == 0.419
-    assert anchors[(layer, 128, "train")] == 1.283
+    assert fovi_times[(layer, 128, "forward")] == 0.419
+    assert fovi_times[(layer, 128, "train")] == 1.283
 
 
-# The ceilings of the run that measured fovi 2.4.0's published per-layer times (the anchor
-# table, bench/anchors.json), and some of the forward floors that table lists
+# The ceilings of the run that measured fovi 2.4.0's published per-layer times (its
+# table, bench/fovi_kernel_times.json), and some of the forward floors that table lists
 # (floor_fwd_ms), recomputed from each layer's sizes.
-ANCHOR_CEILINGS = {"copy_gbps": 4124.0, "matmul_tflops": 750.0}
-ANCHOR_FLOORS = [
+FOVI_TABLE_CEILINGS = {"copy_gbps": 4124.0, "matmul_tflops": 750.0}
+FOVI_TABLE_FLOORS = [
     # (B, Cin, Cout, K, V, Nin, Nout, P64, floor fwd ms): compute-bound, then memory-bound
     (128, 3, 96, 121, 121, 4085, 964, 384, 0.011),
     (2048, 96, 256, 25, 25, 230, 230, 2432, 0.772),
@@ -161,10 +162,10 @@ ANCHOR_FLOORS = [
 ]
 
 
-@pytest.mark.parametrize("batch, cin, cout, k, v, nin, nout, p64, expected", ANCHOR_FLOORS)
-def test_floor_matches_the_anchor_table(batch, cin, cout, k, v, nin, nout, p64, expected):
+@pytest.mark.parametrize("batch, cin, cout, k, v, nin, nout, p64, expected", FOVI_TABLE_FLOORS)
+def test_floor_matches_fovi_times_table(batch, cin, cout, k, v, nin, nout, p64, expected):
     plan = SimpleNamespace(cin=cin, cout=cout, k=k, v=v, nin=nin, nout=nout, p64=p64)
-    assert bench.forward_floor_ms(plan, batch, ANCHOR_CEILINGS) == pytest.approx(expected,
+    assert bench.forward_floor_ms(plan, batch, FOVI_TABLE_CEILINGS) == pytest.approx(expected,
                                                                                  abs=5e-4)
 
 
@@ -204,7 +205,7 @@ def test_summary_keeps_dtypes_apart_and_compares_backends_on_the_cells_all_compl
     def row(layer, dtype, backend, status="ok", pct=10.0, speedup=2.0):
         return {"layer": layer, "batch": 8, "dtype": dtype, "backend": backend, "mode": "train",
                 "status": status, "median_ms": None if pct is None else 100 / pct,
-                "pct_of_floor": pct, "speedup_vs_anchor": speedup}
+                "pct_of_floor": pct, "speedup_vs_fovi": speedup}
 
     rows = [row("a", "float16", "cuda", pct=40.0), row("a", "float16", "torch_compact"),
             row("b", "float16", "cuda", pct=4.0), row("b", "float16", "torch_compact", "oom",
@@ -222,26 +223,26 @@ def test_summary_keeps_dtypes_apart_and_compares_backends_on_the_cells_all_compl
                      ("bfloat16", "cuda"): 1}
 
 
-def test_compiled_steps_compare_with_the_anchors_training_step_and_replays_with_none():
+def test_compiled_steps_compare_with_fovis_training_step_and_replays_with_none():
     geometry = random_geometry(torch.Generator().manual_seed(3))
     plan = knnconv.make_plan(geometry.knn_indices, geometry.rf_index, nin=geometry.nin,
                              v=geometry.v, cin=2, cout=3)
-    anchors = {("a", 8, "forward"): 0.3, ("a", 8, "train"): 1.5}
+    fovi_times = {("a", 8, "forward"): 0.3, ("a", 8, "train"): 1.5}
     ceilings = {"copy_gbps": 1000.0, "matmul_tflops": 100.0}
     recorder = bench.Benchmark(SimpleNamespace(), torch.device("cpu"), ["cuda"], ceilings,
-                               anchors, name_width=4)
+                               fovi_times, name_width=4)
     for mode, median_ms in (("forward", 0.1), ("train", 0.75), ("train_graph", 0.2),
                             ("train_compiled", 0.25)):
         recorder._record("a", plan, 8, "float16", "cuda", mode, "ok", median_ms=median_ms)
-    anchor_ms = {row["mode"]: row["anchor_ms"] for row in recorder.rows}
-    # a compiled step stands in for the anchor's eager step; a replay (GPU time) for nothing
-    assert anchor_ms == {"forward": 0.3, "train": 1.5, "train_graph": None,
-                         "train_compiled": 1.5}
+    fovi_ms = {row["mode"]: row["fovi_ms"] for row in recorder.rows}
+    # a compiled step stands in for fovi's eager step; a replay (GPU time) for nothing
+    assert fovi_ms == {"forward": 0.3, "train": 1.5, "train_graph": None,
+                       "train_compiled": 1.5}
     summary = bench.summarize(recorder.rows)
     speedups = {entry["mode"]: entry["geomean"]
-                for entry in summary["train_speedup_vs_anchor_geomean"]}
+                for entry in summary["train_speedup_vs_fovi_geomean"]}
     assert speedups == pytest.approx({"train": 2.0, "train_compiled": 6.0})
-    assert bench.ANCHOR_MODE == {"forward": "forward", "train": "train",
+    assert bench.FOVI_MODE == {"forward": "forward", "train": "train",
                                  "train_compiled": "train"}
 
 
@@ -264,13 +265,13 @@ def test_on_the_gpu_graph_modes_time_the_native_backends_and_compiled_cuda(tmp_p
         pytest.skip("no CUDA device")
     pytest.importorskip("cupy")
     write_geometry_set(tmp_path)
-    anchors = tmp_path / "anchors.json"
-    anchors.write_text(json.dumps([
-        {"layer": "tiny:block.0.conv", "batch": 2, "floor_fwd_ms": 0.001, "anchor_fwd_ms": 0.5,
-         "reference_fwd_ms": 1.0, "floor_train_ms": 0.003, "anchor_train_ms": 1.5,
+    fovi_times = tmp_path / "fovi_kernel_times.json"
+    fovi_times.write_text(json.dumps([
+        {"layer": "tiny:block.0.conv", "batch": 2, "floor_fwd_ms": 0.001, "fovi_fwd_ms": 0.5,
+         "reference_fwd_ms": 1.0, "floor_train_ms": 0.003, "fovi_train_ms": 1.5,
          "reference_train_ms": 3.0}]))
     rc = bench.main(["--geometry", str(tmp_path), "--layers", "block", *QUICK,
-                     "--backends", "torch_compact,cuda,auto", "--anchors", str(anchors),
+                     "--backends", "torch_compact,cuda,auto", "--fovi-times", str(fovi_times),
                      "--modes", "train,train_graph,train_compiled", "--out", str(tmp_path),
                      "--name", "gpu"])
     assert rc == 0
@@ -279,8 +280,8 @@ def test_on_the_gpu_graph_modes_time_the_native_backends_and_compiled_cuda(tmp_p
     assert set(rows) == {("torch_compact", "train"), ("cuda", "train"), ("cuda", "train_graph"),
                          ("cuda", "train_compiled"), ("auto", "train"), ("auto", "train_graph")}
     assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in rows.values())
-    assert rows[("cuda", "train_compiled")]["anchor_ms"] == 1.5
-    assert rows[("cuda", "train_graph")]["anchor_ms"] is None
+    assert rows[("cuda", "train_compiled")]["fovi_ms"] == 1.5
+    assert rows[("cuda", "train_graph")]["fovi_ms"] is None
 
 
 def test_relative_error_on_known_values():

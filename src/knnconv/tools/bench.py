@@ -1,11 +1,11 @@
-"""Benchmark the backends on real layer geometries, against a roofline floor and the anchor.
+"""Benchmark the backends on real layer geometries, against a roofline floor and fovi's kernels.
 
 ``knnconv bench`` (also ``python -m knnconv.bench``) times every layer x batch x dtype x
 backend x mode (forward, train, and for the native backends train_graph and, for cuda,
-opt-in train_compiled; see MODES) cell as a user sees it, host overhead included; puts each time
-against a roofline floor built from ceilings measured in the same run, and against the anchor
-(fovi's knn_cuda, as measured in bench/anchors.json); and writes <name>.json, <name>.csv and
-<name>.png.
+opt-in train_compiled; see MODES) cell as a user sees it, host overhead included; puts each
+time against a roofline floor built from ceilings measured in the same run, and against
+fovi's kernels (fovi 2.4.0's knn_cuda, as measured in bench/fovi_kernel_times.json); and
+writes <name>.json, <name>.csv and <name>.png.
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ MODES = ("forward", "train", "train_graph", "train_compiled")
 GRAPH_MODES = ("train_graph", "train_compiled")
 GRAPHED_BACKENDS = {"train_graph": ("cuda", "triton", "auto"), "train_compiled": ("cuda",)}
 DEFAULT_MODES = ("forward", "train", "train_graph")
-# The anchor figure a mode's time compares with: a compiled step is what a user who compiles
-# runs instead of the anchor's eager step; a graph replay (GPU time only) compares with none.
-ANCHOR_MODE = {"forward": "forward", "train": "train", "train_compiled": "train"}
+# The fovi figure a mode's time compares with: a compiled step is what a user who compiles
+# runs instead of fovi's eager step; a graph replay (GPU time only) compares with none.
+FOVI_MODE = {"forward": "forward", "train": "train", "train_compiled": "train"}
 # Defaults sized to the device: the published batches on a GPU; on a CPU, batches and repeats
 # that finish the built-in layers in minutes, in float32 (the CPU's fast dtype).
 DEVICE_DEFAULTS = {
@@ -65,13 +65,14 @@ DEVICE_DEFAULTS = {
     "cpu": {"batches": [2, 8], "dtypes": ["float32"], "warmup": 1, "repeats": 5},
 }
 DEFAULT_OUT = Path("out") / "bench"
-# Present only in a source checkout (src/knnconv/tools/bench.py -> <repo>/bench/anchors.json).
-REPO_ANCHORS = Path(__file__).resolve().parents[3] / "bench" / "anchors.json"
-# The anchor was measured in fp16: its times only compare with fp16 cells.
-ANCHOR_DTYPE = "float16"
+# Present only in a source checkout (src/knnconv/tools/bench.py ->
+# <repo>/bench/fovi_kernel_times.json).
+REPO_FOVI_TIMES = Path(__file__).resolve().parents[3] / "bench" / "fovi_kernel_times.json"
+# fovi's kernels were measured in fp16: their times only compare with fp16 cells.
+FOVI_DTYPE = "float16"
 
-# Roofline: operands count 2 bytes per element whatever the dtype, as the anchor's floor did,
-# so floors compare across dtypes and with the anchor table.
+# Roofline: operands count 2 bytes per element whatever the dtype, as fovi's table's floor did,
+# so floors compare across dtypes and with that table.
 FLOOR_ELEMENT_BYTES = 2
 TABLE_ELEMENT_BYTES = 4  # input_linear and weight_linear are int32 [Nout, P64]
 TRAIN_FLOOR_FACTOR = 3  # forward + grad-input + grad-weight, each at least a forward's cost
@@ -97,7 +98,7 @@ BUILTIN_LEVELS = 6
 
 ROW_FIELDS = (
     "layer", "batch", "dtype", "backend", "mode", "status", "backend_ran", "median_ms",
-    "floor_ms", "pct_of_floor", "anchor_ms", "speedup_vs_anchor", "rel_err", "cin", "cout", "k",
+    "floor_ms", "pct_of_floor", "fovi_ms", "speedup_vs_fovi", "rel_err", "cin", "cout", "k",
     "v", "nin", "nout", "p64", "padding_fraction", "note",
 )
 
@@ -120,9 +121,9 @@ class BenchLayer:
 
 
 def layer_name(model: str, layer: str) -> str:
-    """``model:layer`` without the ``backbone.`` wrapper prefix, as the anchor table names it.
+    """``model:layer`` without the ``backbone.`` wrapper prefix, as fovi's times table names it.
 
-    Only ``backbone.`` goes: the anchor table keeps ``embeddings.patch_embeddings`` whole.
+    Only ``backbone.`` goes: that table keeps ``embeddings.patch_embeddings`` whole.
     """
     return f"{model}:{layer.removeprefix('backbone.')}"
 
@@ -138,8 +139,8 @@ def load_geometry_dir(directory: Path, filters: list[str] | None = None, *,
 
     Pooling entries and entries without tables are skipped; ``filters`` keeps the layers whose
     name contains any of its substrings. Unless ``repeats``, a kept entry that repeats an
-    earlier one's tables and channel counts is skipped too: it would time the same (the anchor
-    table lists only the first of each); a whole network needs them all.
+    earlier one's tables and channel counts is skipped too: it would time the same (fovi's
+    times table lists only the first of each); a whole network needs them all.
     """
     index = json.loads((directory / "index.json").read_text())
     layers = []
@@ -199,13 +200,14 @@ def generated_stems(filters: list[str] | None = None) -> list[BenchLayer]:
     return layers
 
 
-def load_anchors(path: Path) -> dict[tuple[str, int, str], float]:
-    """The anchor's fp16 times by (layer, batch, mode), from a bench/anchors.json list."""
-    anchors = {}
+def load_fovi_times(path: Path) -> dict[tuple[str, int, str], float]:
+    """fovi's kernels' fp16 times by (layer, batch, mode), from a bench/fovi_kernel_times.json
+    list."""
+    times = {}
     for entry in json.loads(path.read_text()):
-        for mode, key in (("forward", "anchor_fwd_ms"), ("train", "anchor_train_ms")):
-            anchors[(entry["layer"], int(entry["batch"]), mode)] = float(entry[key])
-    return anchors
+        for mode, key in (("forward", "fovi_fwd_ms"), ("train", "fovi_train_ms")):
+            times[(entry["layer"], int(entry["batch"]), mode)] = float(entry[key])
+    return times
 
 
 COMPILED_WARMUP = 3
@@ -326,17 +328,17 @@ class Benchmark:
     """Runs the cells of a set of layers and collects one row per cell."""
 
     def __init__(self, args: argparse.Namespace, device: torch.device, backends: list[str],
-                 ceilings: dict[str, Any], anchors: dict[tuple[str, int, str], float],
+                 ceilings: dict[str, Any], fovi_times: dict[tuple[str, int, str], float],
                  name_width: int) -> None:
         self.args, self.device, self.backends = args, device, backends
-        self.ceilings, self.anchors = ceilings, anchors
+        self.ceilings, self.fovi_times = ceilings, fovi_times
         self.name_width = name_width
         self.rows: list[dict[str, Any]] = []
         self._reported_skips: set[tuple[str, str]] = set()
 
     def print_header(self) -> None:
         print(f"{'layer':<{self.name_width}} {'B':>5} {'dtype':<8} {'backend':<13} "
-              f"{'mode':<7} {'median_ms':>10} {'floor_ms':>9} {'%floor':>7} {'vs anchor':>9}")
+              f"{'mode':<7} {'median_ms':>10} {'floor_ms':>9} {'%floor':>7} {'vs fovi':>9}")
 
     def run(self, layers: list[BenchLayer]) -> None:
         for layer in layers:
@@ -445,16 +447,16 @@ class Benchmark:
                 note: str | None = None) -> None:
         floor_ms = (forward_floor_ms(plan, batch, self.ceilings) if mode == "forward"
                     else train_floor_ms(plan, batch, self.ceilings))
-        anchor_ms = (self.anchors.get((name, batch, ANCHOR_MODE.get(mode)))
-                     if dtype_name == ANCHOR_DTYPE else None)
+        fovi_ms = (self.fovi_times.get((name, batch, FOVI_MODE.get(mode)))
+                     if dtype_name == FOVI_DTYPE else None)
         measured = median_ms is not None
         row = {
             "layer": name, "batch": batch, "dtype": dtype_name, "backend": backend, "mode": mode,
             "status": status, "backend_ran": backend_ran, "median_ms": median_ms,
             "floor_ms": floor_ms,
             "pct_of_floor": 100 * floor_ms / median_ms if measured and floor_ms else None,
-            "anchor_ms": anchor_ms,
-            "speedup_vs_anchor": anchor_ms / median_ms if measured and anchor_ms else None,
+            "fovi_ms": fovi_ms,
+            "speedup_vs_fovi": fovi_ms / median_ms if measured and fovi_ms else None,
             "rel_err": rel_err, "cin": plan.cin, "cout": plan.cout, "k": plan.k, "v": plan.v,
             "nin": plan.nin, "nout": plan.nout, "p64": plan.p64,
             "padding_fraction": plan.padding_fraction, "note": note,
@@ -463,7 +465,7 @@ class Benchmark:
         measured_text = _fmt(median_ms, ".3f") if measured else status
         line = (f"{name:<{self.name_width}} {batch:>5} {dtype_name:<8} {backend:<13} {mode:<7} "
                 f"{measured_text:>10} {_fmt(floor_ms, '.3f'):>9} "
-                f"{_fmt(row['pct_of_floor'], '.3g'):>7} {_fmt(row['speedup_vs_anchor'], '.3g'):>9}")
+                f"{_fmt(row['pct_of_floor'], '.3g'):>7} {_fmt(row['speedup_vs_fovi'], '.3g'):>9}")
         if rel_err is not None:
             line += f"  rel_err {rel_err:.1e}"
         if note is not None and status != "unsupported":  # unsupported reasons print once
@@ -473,7 +475,7 @@ class Benchmark:
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Geometric means per dtype: % of floor per backend/mode, and the speedup of each
-    training-step mode with an anchor figure (eager, compiled) over the anchor's training step
+    training-step mode with a fovi figure (eager, compiled) over fovi's training step
     per backend, each over the cells every backend completed, so backends are compared on
     one set."""
     ok = [row for row in rows if row["status"] == "ok"]
@@ -495,8 +497,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         times[(row["dtype"], row["backend"], row["mode"])].append(row["median_ms"])
         if row["pct_of_floor"] is not None:
             pct[(row["dtype"], row["backend"], row["mode"])].append(row["pct_of_floor"])
-        if row["mode"] != "forward" and row["speedup_vs_anchor"] is not None:
-            speedup[(row["dtype"], row["backend"], row["mode"])].append(row["speedup_vs_anchor"])
+        if row["mode"] != "forward" and row["speedup_vs_fovi"] is not None:
+            speedup[(row["dtype"], row["backend"], row["mode"])].append(row["speedup_vs_fovi"])
     statuses = defaultdict(int)
     for row in rows:
         statuses[row["status"]] += 1
@@ -512,7 +514,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
              "cells": len(values)}
             for (dtype, backend, mode), values in pct.items()
         ],
-        "train_speedup_vs_anchor_geomean": [
+        "train_speedup_vs_fovi_geomean": [
             {"dtype": dtype, "backend": backend, "mode": mode, "geomean": geomean(values),
              "cells": len(values)}
             for (dtype, backend, mode), values in speedup.items()
@@ -529,13 +531,13 @@ def print_summary(summary: dict[str, Any]) -> None:
     for entry in summary["pct_of_floor_geomean"]:
         print(f"geomean % of floor  {entry['dtype']:<9} {entry['backend']:<13} "
               f"{entry['mode']:<11} {entry['geomean']:7.2f}%  ({entry['cells']} cells)")
-    for entry in summary["train_speedup_vs_anchor_geomean"]:
-        print(f"geomean speedup vs anchor's train  {entry['dtype']:<9} {entry['backend']:<13} "
+    for entry in summary["train_speedup_vs_fovi_geomean"]:
+        print(f"geomean speedup vs fovi's train    {entry['dtype']:<9} {entry['backend']:<13} "
               f"{entry['mode']:<14} {entry['geomean']:6.3g}x  ({entry['cells']} cells)")
 
 
 def plot_rows(rows: list[dict[str, Any]], path: Path, *, device: str | None = None) -> bool:
-    """% of floor (and speedup vs anchor, when known) per cell and backend/mode, one row of
+    """% of floor (and speedup vs fovi's kernels, when known) per cell and backend/mode, one row of
     panels per model (the part of the layer name before ':'); False if matplotlib is missing,
     so a long GPU run still writes its json and csv.
 
@@ -562,8 +564,8 @@ def plot_rows(rows: list[dict[str, Any]], path: Path, *, device: str | None = No
     has_floor = any(r["pct_of_floor"] is not None for r in rows)
     panels = [("pct_of_floor", "% of roofline floor") if has_floor
               else ("median_ms", "median time per call (ms)")]
-    if any(r["speedup_vs_anchor"] is not None for r in rows):
-        panels.append(("speedup_vs_anchor", "speedup vs anchor (x)"))
+    if any(r["speedup_vs_fovi"] is not None for r in rows):
+        panels.append(("speedup_vs_fovi", "speedup vs fovi's kernels (x)"))
     # Series of measured rows only, so a backend that served nothing takes no colour.
     series = list(dict.fromkeys((r["backend"], r["mode"]) for r in rows
                                 if any(r[field] is not None for field, _ in panels)))
@@ -608,7 +610,7 @@ def plot_rows(rows: list[dict[str, Any]], path: Path, *, device: str | None = No
             else:
                 axis.text(0.5, 0.5, "nothing measured", ha="center", va="center",
                           transform=axis.transAxes)
-            if field == "speedup_vs_anchor":
+            if field == "speedup_vs_fovi":
                 axis.axvline(1.0, color="gray", linewidth=0.8)
             axis.set_title(model, fontsize=9, loc="left")
             axis.set_xlabel(label, fontsize=8)
@@ -680,8 +682,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-ref-gb", type=float, default=16.0,
                         help="skip --check where the float64 reference's binned tensor "
                              "(B*Nout*Cin*V*8 bytes) exceeds this (default 16)")
-    parser.add_argument("--anchors", type=Path, metavar="FILE",
-                        help="anchor times (default: the checkout's bench/anchors.json, if any)")
+    parser.add_argument("--fovi-times", type=Path, metavar="FILE",
+                        help="fovi's published kernel times (default: the checkout's "
+                             "bench/fovi_kernel_times.json, if any)")
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="DIR",
                         help=f"output folder (default {DEFAULT_OUT})")
@@ -787,17 +790,17 @@ def run(args: argparse.Namespace) -> int:
     if not layers:
         print(f"no conv layer matches --layers {args.layers}", file=sys.stderr)
         return 2
-    anchors_path = args.anchors
-    if anchors_path is None and REPO_ANCHORS.exists():
-        anchors_path = REPO_ANCHORS
-    anchors = load_anchors(anchors_path) if anchors_path is not None else {}
+    fovi_times_path = args.fovi_times
+    if fovi_times_path is None and REPO_FOVI_TIMES.exists():
+        fovi_times_path = REPO_FOVI_TIMES
+    fovi_times = load_fovi_times(fovi_times_path) if fovi_times_path is not None else {}
 
     ceilings = measure_ceilings(device)
     print(f"device: {device_description(device)}; torch {torch.__version__}")
     print("ceilings: " + ", ".join(f"{key} {_fmt(value, '.4g')}"
                                    for key, value in ceilings.items()))
-    print(f"anchors: {anchors_path or 'none'}")
-    bench = Benchmark(args, device, backends, ceilings, anchors,
+    print(f"fovi's kernel times: {fovi_times_path or 'none'}")
+    bench = Benchmark(args, device, backends, ceilings, fovi_times,
                       name_width=max(len(layer.name) for layer in layers))
     bench.print_header()
     bench.run(layers)
@@ -812,7 +815,7 @@ def run(args: argparse.Namespace) -> int:
         "settings": {"geometry": str(args.geometry) if args.geometry else "builtin",
                      "batches": args.batches, "dtypes": args.dtypes, "backends": backends,
                      "modes": args.modes, "warmup": args.warmup, "repeats": args.repeats,
-                     "anchors": str(anchors_path) if anchors_path else None},
+                     "fovi_times": str(fovi_times_path) if fovi_times_path else None},
         "summary": summary,
     }
     for path in write_outputs(args.out, args.name or default_name(device), meta, bench.rows):

@@ -1,4 +1,4 @@
-"""The anchor measured in the same run as knnconv's native backends: fovi 2.4.0's native-CUDA
+"""fovi's kernels measured in the same run as knnconv's native backends: fovi 2.4.0's native-CUDA
 KNN convolution (`fovi.arch.knn_cuda` through its `KNNConvFunction`) against
 `knnconv.knn_conv(..., backend)` for the cuda, triton and auto backends on the same layers and
 host, each on random operands in the storage its own network passes between layers (fovi's
@@ -7,16 +7,16 @@ contiguous as fovi passes it ("triton/contiguous", "auto/contiguous"), timed as 
 times (median of CUDA-event-bracketed calls after warm-up).
 
 Two ways of calling: with the same x and grad_y every call and the weight unchanged (how
-`knnconv bench` and the published anchor table time), and with what a training step sees, a
-new x and grad_y each call and a weight the optimizer changed (`*_fresh_ms`): the anchor keys
+`knnconv bench` and fovi's published times table time), and with what a training step sees, a
+new x and grad_y each call and a weight the optimizer changed (`*_fresh_ms`): fovi's path keys
 its x and grad_y re-layouts on tensor identity, so the first way lets it skip both. Also the
 peak memory (torch.cuda.max_memory_allocated) of a training step with fresh operands, per layer
 and, first, through every KNN layer of the fovi AlexNet and ResNet-18 of
-knnconv.bench_networks, each counted from before the backend's first call (the anchor's
+knnconv.bench_networks, each counted from before the backend's first call (fovi's
 caches emptied), so its tables and what it keeps between calls count too; the networks also
 with knnconv keeping its input re-layouts (knnconv.set_keep_input_relayout(True)).
 
-    python scripts/bench_anchor.py GEOMETRY_DIR OUT.json [--batches 128,512,2048] [--stems]
+    python scripts/bench_fovi_kernels.py GEOMETRY_DIR OUT.json [--batches 128,512,2048] [--stems]
 
 Needs a GPU, CuPy and fovi 2.4.0 (see scripts/gpu_suite.sh for installing it offline).
 Writes OUT.json and a PNG beside it.
@@ -49,15 +49,15 @@ DEVICE = torch.device("cuda")
 MIB = 2**20
 # fovi's kernels, then knnconv's backends; "/contiguous": x as fovi passes it, not as
 # knnconv's layers do
-BACKENDS = ("anchor", "cuda", "triton", "auto", "triton/contiguous", "auto/contiguous")
+BACKENDS = ("fovi", "cuda", "triton", "auto", "triton/contiguous", "auto/contiguous")
 KNNCONV_BACKENDS = BACKENDS[1:]
-# h200_anchor.json networks field -> (backend, knnconv.keep_input_relayout setting)
-NETWORK_MODES = {"anchor_peak_mib": ("anchor", False), "cuda_peak_mib": ("cuda", False),
+# h200_fovi_kernels.json networks field -> (backend, knnconv.keep_input_relayout setting)
+NETWORK_MODES = {"fovi_peak_mib": ("fovi", False), "cuda_peak_mib": ("cuda", False),
                  "cuda_keeping_relayouts_peak_mib": ("cuda", True),
                  "auto_peak_mib": ("auto", False)}
 
 
-def anchor_meta(plan):
+def fovi_meta(plan):
     """fovi's TrainingMeta from the plan's tables (the same int32 tables, by the seed's
     definition), with the reverse CSR its torch ops use for their first-use canaries."""
     from fovi.arch.knn_autograd import TrainingMeta
@@ -84,7 +84,7 @@ def fresh_operands(inputs):
     the tensors of the last call, which identity-keyed caches would recognise), a weight the
     optimizer changed (its version bumped) and no gradients."""
     def reset():
-        # Cleared before x is replaced: the anchor's cache keeps the last x, whose gradient
+        # Cleared before x is replaced: fovi's cache keeps the last x, whose gradient
         # would otherwise stay allocated and count in its peak.
         inputs.clear_grads()
         inputs.x = inputs.x.detach().clone().requires_grad_()
@@ -110,29 +110,29 @@ def peak_mib(step, reset, before: int, warm_steps: int = 3) -> float:
 
 
 def layer_forward(backend: str, plan, inputs):
-    """One backend's forward of one layer, reading the operands at call time. The anchor's
+    """One backend's forward of one layer, reading the operands at call time. fovi's
     tables are built here, so a memory count begun before this call includes them, as it
     includes the tables knnconv derives at its first call."""
-    if backend != "anchor":
+    if backend != "fovi":
         name = backend.split("/")[0]
         return lambda: knn_conv_with_backend(inputs.x, inputs.weight, inputs.bias, plan,
                                              name)[0]
     import fovi.arch.knn_cuda  # noqa: F401  (registers fovi's "cuda" ops)
     from fovi.arch.knn_autograd import KNNConvFunction
 
-    meta = anchor_meta(plan)
+    meta = fovi_meta(plan)
     return lambda: KNNConvFunction.apply(inputs.x, inputs.weight, inputs.bias, meta, "cuda")
 
 
 def memory_baseline(backend: str) -> int:
     """Bytes allocated before a backend's first call on new layers, after dropping what the
-    anchor keeps between calls (its staging caches hold the last call's operands and
+    fovi's path keeps between calls (its staging caches hold the last call's operands and
     re-layouts; clearing them also drops its compiled kernels, which CuPy reloads from its
     disk cache)."""
-    if backend == "anchor":
-        import fovi.arch.knn_cuda as anchor_module
+    if backend == "fovi":
+        import fovi.arch.knn_cuda as fovi_module
 
-        anchor_module.clear_kernel_cache()
+        fovi_module.clear_kernel_cache()
     release_memory(DEVICE)
     torch.cuda.synchronize()
     return torch.cuda.memory_allocated()
@@ -211,20 +211,20 @@ def network_peak_mib(directory: Path, model: str, batch: int, backend: str) -> f
 
 
 def paired_cells(rows: list[dict], backend: str) -> dict[tuple, dict]:
-    """(layer, batch) -> {"anchor": row, backend: row} for the cells where both ran."""
+    """(layer, batch) -> {"fovi": row, backend: row} for the cells where both ran."""
     cells: dict[tuple, dict] = {}
     for row in rows:
-        if row["status"] == "ok" and row["backend"] in ("anchor", backend):
+        if row["status"] == "ok" and row["backend"] in ("fovi", backend):
             cells.setdefault((row["layer"], row["batch"]), {})[row["backend"]] = row
     return {cell: both for cell, both in cells.items() if len(both) == 2}
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Per knnconv backend, its speedups over the anchor (geomean, cells slower) and its peak
-    memory against the anchor's, over the cells both ran."""
+    """Per knnconv backend, its speedups over fovi's kernels (geomean, cells slower) and its
+    peak memory against theirs, over the cells both ran."""
     summary = {}
     for backend in KNNCONV_BACKENDS:
-        pairs = [(both[backend], both["anchor"])
+        pairs = [(both[backend], both["fovi"])
                  for both in paired_cells(rows, backend).values()]
         if not pairs:
             continue
@@ -259,14 +259,14 @@ def plot(rows: list[dict], path: Path) -> None:
                                 ("train_fresh", "D", "train, fresh operands"),
                                 ("forward", "o", "forward, same operands"),
                                 ("forward_fresh", "^", "forward, fresh operands")):
-        speed.scatter(range(len(cells)), [by_cell[c]["anchor"][f"{mode}_ms"]
+        speed.scatter(range(len(cells)), [by_cell[c]["fovi"][f"{mode}_ms"]
                                           / by_cell[c][PLOTTED][f"{mode}_ms"] for c in cells],
                       s=14, marker=marker, label=label)
     speed.set_ylabel("fovi 2.4.0 kernels' time / knnconv's (same run)")
     speed.set_title("knnconv's faster native backend per cell against fovi 2.4.0's kernels, "
                     "per layer (one H200, one run)")
     memory.scatter(range(len(cells)), [by_cell[c][PLOTTED]["peak_train_mib"]
-                                       / by_cell[c]["anchor"]["peak_train_mib"] for c in cells],
+                                       / by_cell[c]["fovi"]["peak_train_mib"] for c in cells],
                    s=14, marker="s", color="C2")
     memory.set_ylabel("peak memory of a training step\n(fresh operands), knnconv / fovi")
     for axis in (speed, memory):
@@ -305,7 +305,7 @@ def main() -> None:
                     release_memory(DEVICE)
         networks.append(row)
         print(f"{model} B={batch}: peak memory of a training step through its KNN layers: "
-              f"anchor {row['anchor_peak_mib']:.0f} MiB, knnconv cuda "
+              f"fovi {row['fovi_peak_mib']:.0f} MiB, knnconv cuda "
               f"{row['cuda_peak_mib']:.0f} MiB ({row['cuda_keeping_relayouts_peak_mib']:.0f} MiB "
               f"keeping the input re-layouts), knnconv auto {row['auto_peak_mib']:.0f} MiB")
     rows = []
