@@ -41,7 +41,7 @@ from ..ops.timing import (
     unsupported_reason,
 )
 from ..plan import KNNConvPlan, make_plan
-from . import fovi_models
+from . import fovi_ddp, fovi_models
 from .options import comma_list, default_name, int_at_least
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -758,7 +758,7 @@ def run(args: argparse.Namespace) -> int:
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # events record on the current device's stream
     if args.fovi_model is not None:
-        return fovi_models.run(args, device)
+        return (fovi_ddp.run if args.ddp else fovi_models.run)(args, device)
     defaults = DEVICE_DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
     for option, value in defaults.items():
         if getattr(args, option) is None:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops.timing import device_description, release_memory, time_calls
-from .fovi_models import PathModels, training_step
+from .fovi_models import PathModels, fovi_ready, training_step
 
 PATHS = ("fovi", "accelerated", "grid")
 
@@ -79,6 +79,8 @@ def time_path(models: PathModels, path: str, batch: int, args: argparse.Namespac
 
 def run(args: argparse.Namespace, device: torch.device) -> int:
     """This rank's part of the DDP benchmark (under torchrun); rank 0 writes the JSON."""
+    if not fovi_ready(args, device):
+        return 2
     missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
     if missing:
         print(f"--ddp runs under torchrun (torchrun --nproc_per_node N -m knnconv bench "

@@ -416,11 +416,12 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
     return True
 
 
-def run(args: argparse.Namespace, device: torch.device) -> int:
-    """Time every path of every ``--fovi-model``; write the JSON and the PNG."""
+def fovi_ready(args: argparse.Namespace, device: torch.device) -> bool:
+    """Whether fovi is importable (saying why not); fills the options left unset with the
+    device's defaults (a DDP run's batch is per rank)."""
     if accelerate is None:
         print(f"--fovi-model needs fovi: {FOVI_MISSING}", file=sys.stderr)
-        return 2
+        return False
     defaults = dict(DEFAULTS["cuda" if device.type == "cuda" else "cpu"])
     if args.ddp and device.type == "cuda":
         defaults["batches"] = [DDP_BATCH_PER_GPU]
@@ -428,9 +429,13 @@ def run(args: argparse.Namespace, device: torch.device) -> int:
     for option, value in defaults.items():
         if getattr(args, option) is None:
             setattr(args, option, value)
-    if args.ddp:
-        from .fovi_ddp import run as run_ddp
-        return run_ddp(args, device)
+    return True
+
+
+def run(args: argparse.Namespace, device: torch.device) -> int:
+    """Time every path of every ``--fovi-model``; write the JSON and the PNG."""
+    if not fovi_ready(args, device):
+        return 2
     description = device_description(device)
     print(f"device: {description}; torch {torch.__version__}, CUDA {torch.version.cuda}")
     rows: list[dict[str, Any]] = []
