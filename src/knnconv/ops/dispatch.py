@@ -70,9 +70,10 @@ def resolve_backend(name: str, plan: GeometryPlan, device: torch.device, dtype: 
 # where they serve (compute capability 9.0+, channel counts multiples of 16) and suit the call
 # (triton_suits), then the NVRTC kernels (sm_80+, every layer).
 NATIVE_ORDER = ("triton", "cuda")
-# The triton backend's kernels reach 45-50% of the training floor on large layers against the
-# cuda backend's 30%, but each of its calls costs more host time (an eager training step of a
-# small layer about 0.6-1.5 ms against 0.3-1.0 ms on one H200). Its eager training step was
+# Replayed, the triton backend's training step reaches 40% of the floor on the large published
+# layers (geomean; 46-51% on AlexNet's at B = 2048) against the cuda backend's 25%, but each of
+# its calls costs more host time (an eager training step of a small layer about 0.6-1.5 ms
+# against 0.3-1.0 ms on one H200). Its eager training step was
 # the faster one on the published layers from about 100 GFLOP of forward work up (2 * B *
 # real entries * Cin * Cout): below that an eager call keeps the cuda kernels.
 TRITON_MIN_FORWARD_FLOP = 100e9
