@@ -33,10 +33,7 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
   constexpr int kThreads = kWarpsM * kWarpsN * kWarp;
   constexpr int kAPitch = kTileM + kPad, kBPitch = kTileN + kPad;
   constexpr int kAElems = kTileK * kAPitch, kBElems = kTileK * kBPitch;
-  extern __shared__ __align__(128) unsigned char shared_raw[];
-  const int warp = threadIdx.x / kWarp;
-  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
-  StageBuffers<T, kStages, kAElems, kBElems> smem(shared_raw, warp);
+  const GemmCta<T, kStages, kAElems, kBElems, kWarpsN> cta;
   WarpTile<T, kTileM, kTileN, kWarpsM, kWarpsN> tile;
   using Tile = decltype(tile);
 
@@ -56,28 +53,28 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
   auto load = [&](int tile_index, int stage) {
     const int k0 = tile_index * kTileK;
     stage_rows<T, kTileK, kTileM, kAPitch, kThreads, kAsync>(
-        smem.a + stage * kAElems, gt,
+        cta.a + stage * kAElems, gt,
         [&](int r) { return slot_row(node_rows, k0, r) * bpad + b0; });
     stage_rows<T, kTileK, kTileN, kBPitch, kThreads, kAsync>(
-        smem.b + stage * kBElems, wr,
+        cta.b + stage * kBElems, wr,
         [&](int r) { return slot_row(cell_rows, k0, r) * cinpad + c0; });
   };
   auto compute = [&](int stage) {
-    const T* a = smem.a + stage * kAElems;
-    const T* b = smem.b + stage * kBElems;
+    const T* a = cta.a + stage * kAElems;
+    const T* b = cta.b + stage * kBElems;
 #pragma unroll
     for (int kk = 0; kk < kTileK; kk += kFrag) {
       tile.template multiply<wmma::col_major, wmma::row_major>(
-          [&](int i) { return a + kk * kAPitch + (warp_m * Tile::kFragsM + i) * kFrag; },
-          [&](int j) { return b + kk * kBPitch + (warp_n * Tile::kFragsN + j) * kFrag; },
+          [&](int i) { return a + kk * kAPitch + (cta.warp_m * Tile::kFragsM + i) * kFrag; },
+          [&](int j) { return b + kk * kBPitch + (cta.warp_n * Tile::kFragsN + j) * kFrag; },
           kAPitch, kBPitch);
     }
   };
   pipeline<kStages>(0, k_tiles, load, compute);  // a node without pairs stores zeros
 
-  const int row0 = b0 + warp_m * Tile::kFragsM * kFrag;
-  const int col0 = c0 + warp_n * Tile::kFragsN * kFrag;
-  tile.drain_row_chunks(smem.scratch, [&](int r, int c, const float* values) {
+  const int row0 = b0 + cta.warp_m * Tile::kFragsM * kFrag;
+  const int col0 = c0 + cta.warp_n * Tile::kFragsN * kFrag;
+  tile.drain_row_chunks(cta.scratch, [&](int r, int c, const float* values) {
     const int b = row0 + r, channel = col0 + c;
     if (b >= batch || channel >= cin) return;
     store_biased_chunk<T>(dx + (static_cast<size_t>(b) * nin + node) * cin + channel, values,
@@ -99,10 +96,7 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
   constexpr int kThreads = kWarpsM * kWarpsN * kWarp;
   constexpr int kAPitch = kTileM + kPad, kBPitch = kTileK + kPad;
   constexpr int kAElems = kTileK * kAPitch, kBElems = kTileN * kBPitch;
-  extern __shared__ __align__(128) unsigned char shared_raw[];
-  const int warp = threadIdx.x / kWarp;
-  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
-  StageBuffers<T, kStages, kAElems, kBElems> smem(shared_raw, warp);
+  const GemmCta<T, kStages, kAElems, kBElems, kWarpsN> cta;
   WarpTile<T, kTileM, kTileN, kWarpsM, kWarpsN> tile;
   using Tile = decltype(tile);
 
@@ -112,11 +106,11 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
   const int k_tiles = gpad / kTileK;
   const int p0 = blockIdx.y * kTileN;
   const int b0 = blockIdx.z * kTileM;
-  const int row0 = b0 + warp_m * Tile::kFragsM * kFrag;
-  const int col0 = p0 + warp_n * Tile::kFragsN * kFrag;
+  const int row0 = b0 + cta.warp_m * Tile::kFragsM * kFrag;
+  const int col0 = p0 + cta.warp_n * Tile::kFragsN * kFrag;
   auto store_node = [&](int node) {
     const int* in_rows = input_linear + static_cast<size_t>(node) * p64;
-    tile.template drain<true>(smem.scratch, [&](int r, int c, float value) {
+    tile.template drain<true>(cta.scratch, [&](int r, int c, float value) {
       const int b = row0 + r;
       const int row = in_rows[col0 + c];
       if (b < batch && row != pad_row) atomicAdd(dxt + static_cast<size_t>(row) * bpad + b, value);
@@ -135,20 +129,20 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
     const int* w_rows = weight_linear + static_cast<size_t>(load_node) * p64;
     const T* grad_rows = gt + static_cast<size_t>(load_node) * gpad * bpad;
     stage_rows<T, kTileK, kTileM, kAPitch, kThreads, kAsync>(
-        smem.a + stage * kAElems, grad_rows,
+        cta.a + stage * kAElems, grad_rows,
         [&](int r) { return static_cast<long long>(k0 + r) * bpad + b0; });
     stage_rows<T, kTileN, kTileK, kBPitch, kThreads, kAsync>(
-        smem.b + stage * kBElems, wt,
+        cta.b + stage * kBElems, wt,
         [&](int r) { return static_cast<long long>(w_rows[p0 + r]) * wpad + k0; });
   };
   auto compute = [&](int stage) {
-    const T* a = smem.a + stage * kAElems;
-    const T* b = smem.b + stage * kBElems;
+    const T* a = cta.a + stage * kAElems;
+    const T* b = cta.b + stage * kBElems;
 #pragma unroll
     for (int kk = 0; kk < kTileK; kk += kFrag) {
       tile.template multiply<wmma::col_major, wmma::col_major>(
-          [&](int i) { return a + kk * kAPitch + (warp_m * Tile::kFragsM + i) * kFrag; },
-          [&](int j) { return b + (warp_n * Tile::kFragsN + j) * kFrag * kBPitch + kk; },
+          [&](int i) { return a + kk * kAPitch + (cta.warp_m * Tile::kFragsM + i) * kFrag; },
+          [&](int j) { return b + (cta.warp_n * Tile::kFragsN + j) * kFrag * kBPitch + kk; },
           kAPitch, kBPitch);
     }
     if (++compute_tile == k_tiles) {  // the node's last tile: scatter it, next node
@@ -179,10 +173,7 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
   constexpr int kBPitch = kGradInPlace ? kTileN + kPad : kTileK + kPad;
   constexpr int kAElems = kTileM * kAPitch;
   constexpr int kBElems = (kGradInPlace ? kTileK : kTileN) * kBPitch;
-  extern __shared__ __align__(128) unsigned char shared_raw[];
-  const int warp = threadIdx.x / kWarp;
-  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
-  StageBuffers<T, kStages, kAElems, kBElems> smem(shared_raw, warp);
+  const GemmCta<T, kStages, kAElems, kBElems, kWarpsN> cta;
   WarpTile<T, kTileM, kTileN, kWarpsM, kWarpsN> tile;
   using Tile = decltype(tile);
 
@@ -193,8 +184,8 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
   const int first = split * k_tiles_per_split;
   const int last = min(first + k_tiles_per_split, bpad / kTileK);
   if (first >= last) return;
-  int* in_rows = reinterpret_cast<int*>(shared_raw + kStages * (kAElems + kBElems) * sizeof(T) +
-                                        kWarpsM * kWarpsN * kFrag * kFrag * sizeof(float));
+  int* in_rows = reinterpret_cast<int*>(reinterpret_cast<float*>(cta.behind) +
+                                        kWarpsM * kWarpsN * kFrag * kFrag);
   int* w_rows = in_rows + kTileM;
   for (int i = threadIdx.x; i < kTileM; i += kThreads) {
     const size_t at = static_cast<size_t>(node) * p64 + p0 + i;
@@ -209,43 +200,43 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp)
   auto load = [&](int k_tile, int stage) {
     const int k0 = k_tile * kTileK;
     stage_rows<T, kTileM, kTileK, kAPitch, kThreads, kAsync>(
-        smem.a + stage * kAElems, xt,
+        cta.a + stage * kAElems, xt,
         [&](int r) { return static_cast<long long>(in_rows[r]) * bpad + k0; });
     if constexpr (kGradInPlace) {
       stage_chunks_or_zero<T, kTileK, kTileN, kBPitch, kThreads, kAsync>(
-          smem.b + stage * kBElems, grad_rows, [&](int r, int col) -> long long {
+          cta.b + stage * kBElems, grad_rows, [&](int r, int col) -> long long {
             const int b = k0 + r;
             return b < batch && o0 + col < cout ? b * grad_batch_stride + o0 + col : -1;
           });
     } else {
       stage_rows<T, kTileN, kTileK, kBPitch, kThreads, kAsync>(
-          smem.b + stage * kBElems, grad_rows,
+          cta.b + stage * kBElems, grad_rows,
           [&](int r) { return static_cast<long long>(o0 + r) * bpad + k0; });
     }
   };
   auto compute = [&](int stage) {
-    const T* a = smem.a + stage * kAElems;
-    const T* b = smem.b + stage * kBElems;
+    const T* a = cta.a + stage * kAElems;
+    const T* b = cta.b + stage * kBElems;
 #pragma unroll
     for (int kk = 0; kk < kTileK; kk += kFrag) {
       if constexpr (kGradInPlace) {
         tile.template multiply<wmma::row_major, wmma::row_major>(
-            [&](int i) { return a + (warp_m * Tile::kFragsM + i) * kFrag * kAPitch + kk; },
-            [&](int j) { return b + kk * kBPitch + (warp_n * Tile::kFragsN + j) * kFrag; },
+            [&](int i) { return a + (cta.warp_m * Tile::kFragsM + i) * kFrag * kAPitch + kk; },
+            [&](int j) { return b + kk * kBPitch + (cta.warp_n * Tile::kFragsN + j) * kFrag; },
             kAPitch, kBPitch);
       } else {
         tile.template multiply<wmma::row_major, wmma::col_major>(
-            [&](int i) { return a + (warp_m * Tile::kFragsM + i) * kFrag * kAPitch + kk; },
-            [&](int j) { return b + (warp_n * Tile::kFragsN + j) * kFrag * kBPitch + kk; },
+            [&](int i) { return a + (cta.warp_m * Tile::kFragsM + i) * kFrag * kAPitch + kk; },
+            [&](int j) { return b + (cta.warp_n * Tile::kFragsN + j) * kFrag * kBPitch + kk; },
             kAPitch, kBPitch);
       }
     }
   };
   pipeline<kStages>(first, last, load, compute);
 
-  const int row0 = warp_m * Tile::kFragsM * kFrag;
-  const int col0 = o0 + warp_n * Tile::kFragsN * kFrag;
-  tile.template drain<false>(smem.scratch, [&](int r, int c, float value) {
+  const int row0 = cta.warp_m * Tile::kFragsM * kFrag;
+  const int col0 = o0 + cta.warp_n * Tile::kFragsN * kFrag;
+  tile.template drain<false>(cta.scratch, [&](int r, int c, float value) {
     const int p = row0 + r;
     if (in_rows[p] != pad_row) {
       atomicAdd(dwt + static_cast<size_t>(w_rows[p]) * cpad + col0 + c, value);
@@ -276,11 +267,8 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
   constexpr int kAPitch = kTileM + kPad, kBPitch = kTileN + kPad;
   constexpr int kAElems = kTileK * kAPitch, kBElems = kTileK * kBPitch;
   constexpr int kWarpRows = kTileM / kWarpsM, kWarpCols = kTileN / kWarpsN;
-  extern __shared__ __align__(128) unsigned char shared_raw[];
-  const int warp = threadIdx.x / kWarp;
-  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
-  StageBuffers<T, kStages, kAElems, kBElems> smem(shared_raw, warp);
-  int* const tables = reinterpret_cast<int*>(smem.behind);
+  const GemmCta<T, kStages, kAElems, kBElems, kWarpsN> cta;
+  int* const tables = reinterpret_cast<int*>(cta.behind);
 
   // The batch tiles of a node group are consecutive CTAs: the CTAs running at once share few
   // nodes (their tables and weight rows) and read different batch columns of each xt row,
@@ -305,10 +293,10 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
     const int* in_table = tables + tile * kTileK;
     const int* w_table = in_table + entries;
     stage_rows<T, kTileK, kTileM, kAPitch, kThreads, kAsync>(
-        smem.a + stage * kAElems, xt + b0,
+        cta.a + stage * kAElems, xt + b0,
         [&](int r) { return static_cast<long long>(in_table[r]) * bpad; });
     stage_rows<T, kTileK, kTileN, kBPitch, kThreads, kAsync>(
-        smem.b + stage * kBElems, wt + o0,
+        cta.b + stage * kBElems, wt + o0,
         [&](int r) { return static_cast<long long>(w_table[r]) * cpad; });
   };
 
@@ -318,15 +306,15 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
   MmaTile<T, kWarpRows, kWarpCols, true> tile;
   auto store_node = [&](int node) {
     tile.store(y + static_cast<size_t>(node) * cout, static_cast<size_t>(nout) * cout,
-               b0 + warp_m * kWarpRows, batch, o0 + warp_n * kWarpCols, cout,
-               bias_of + warp_n * kWarpCols);
+               b0 + cta.warp_m * kWarpRows, batch, o0 + cta.warp_n * kWarpCols, cout,
+               bias_of + cta.warp_n * kWarpCols);
   };
 
   const int k_tiles = slots / kTileK;
   int computed = 0, store_at = first_node;
   auto compute = [&](int stage) {
-    const T* a = smem.a + stage * kAElems + warp_m * kWarpRows;
-    const T* b = smem.b + stage * kBElems + warp_n * kWarpCols;
+    const T* a = cta.a + stage * kAElems + cta.warp_m * kWarpRows;
+    const T* b = cta.b + stage * kBElems + cta.warp_n * kWarpCols;
     // two 16-deep steps unrolled: fully unrolled, ptxas hoisted the fragment loads of every
     // step and spilled the widest warp block (32 x 64)
 #pragma unroll 2

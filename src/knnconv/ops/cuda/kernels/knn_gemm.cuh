@@ -141,17 +141,25 @@ __device__ __forceinline__ void store_biased_chunk(TOut* to, const float* values
   }
 }
 
-// Shared memory of a kernel: kStages buffers of an A and a B tile, then what the kernel keeps
-// behind them: one scratch per warp for the wmma kernels, tables and bias columns for those
-// storing from registers.
-template <typename T, int kStages, int kAElems, int kBElems>
-struct StageBuffers {
+extern __shared__ __align__(128) unsigned char shared_raw[];
+
+// The opening every staged gather-GEMM kernel shares: where this thread's warp sits in the
+// CTA's kWarpsM x kWarpsN grid of warps, and the CTA's shared memory: kStages buffers of an A
+// and a B tile, then what the kernel keeps behind them (one scratch per warp for the wmma
+// kernels, tables and bias columns for those storing from registers).
+template <typename T, int kStages, int kAElems, int kBElems, int kWarpsN>
+struct GemmCta {
+  int warp_m;
+  int warp_n;
   T* a;
   T* b;
   unsigned char* behind;
   float* scratch;
-  __device__ StageBuffers(unsigned char* raw, int warp) {
-    a = reinterpret_cast<T*>(raw);
+  __device__ GemmCta() {
+    const int warp = threadIdx.x / kWarp;
+    warp_m = warp / kWarpsN;
+    warp_n = warp % kWarpsN;
+    a = reinterpret_cast<T*>(shared_raw);
     b = a + kStages * kAElems;
     behind = reinterpret_cast<unsigned char*>(b + kStages * kBElems);
     scratch = reinterpret_cast<float*>(behind) + warp * kFrag * kFrag;

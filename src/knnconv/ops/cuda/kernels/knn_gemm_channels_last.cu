@@ -31,11 +31,8 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
   constexpr int kAPitch = kTileK + kPad, kBPitch = kTileN + kPad;
   constexpr int kAElems = kTileM * kAPitch, kBElems = kTileK * kBPitch;
   constexpr int kWarpRows = kTileM / kWarpsM, kWarpCols = kTileN / kWarpsN;
-  extern __shared__ __align__(128) unsigned char shared_raw[];
-  const int warp = threadIdx.x / kWarp;
-  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
-  StageBuffers<T, kStages, kAElems, kBElems> smem(shared_raw, warp);
-  float* const bias_of = reinterpret_cast<float*>(smem.behind);
+  const GemmCta<T, kStages, kAElems, kBElems, kWarpsN> cta;
+  float* const bias_of = reinterpret_cast<float*>(cta.behind);
   MmaTile<T, kWarpRows, kWarpCols, false> tile;
 
   const int j0 = blockIdx.y * kTileN;
@@ -50,12 +47,12 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
     const long long cell_row = static_cast<long long>(step.cell) * width;
     const int i0 = step.channel_tile * kTileK;
     stage_chunks_or_zero<T, kTileM, kTileK, kAPitch, kThreads, kAsync>(
-        smem.a + stage * kAElems, act, [&](int r, int col) -> long long {
+        cta.a + stage * kAElems, act, [&](int r, int col) -> long long {
           const int b = b0 + r;
           return b < batch ? b * act_batch_stride + step.row * width + i0 + col : -1;
         });
     stage_rows<T, kTileK, kTileN, kBPitch, kThreads, kAsync>(
-        smem.b + stage * kBElems, cells,
+        cta.b + stage * kBElems, cells,
         [&](int r) { return (cell_row + i0 + r) * n_pitch + j0; });
   };
   // Each step first stores the nodes whose entries all come before its tile; one step past
@@ -64,13 +61,13 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
   auto compute = [&](int stage) {
     while (walk.node_done()) {
       tile.store(out + static_cast<size_t>(walk.next_done_node()) * n_extent,
-                 static_cast<size_t>(nodes) * n_extent, b0 + warp_m * kWarpRows, batch,
-                 j0 + warp_n * kWarpCols, n_extent, bias_of + warp_n * kWarpCols);
+                 static_cast<size_t>(nodes) * n_extent, b0 + cta.warp_m * kWarpRows, batch,
+                 j0 + cta.warp_n * kWarpCols, n_extent, bias_of + cta.warp_n * kWarpCols);
       tile.zero();
     }
     if (!walk.take_tile()) return;
-    const T* a = smem.a + stage * kAElems + warp_m * kWarpRows * kAPitch;
-    const T* b = smem.b + stage * kBElems + warp_n * kWarpCols;
+    const T* a = cta.a + stage * kAElems + cta.warp_m * kWarpRows * kAPitch;
+    const T* b = cta.b + stage * kBElems + cta.warp_n * kWarpCols;
 #pragma unroll 2  // see knn_forward
     for (int kk = 0; kk < kTileK; kk += 16) tile.multiply(a + kk, kAPitch, b + kk * kBPitch,
                                                           kBPitch);
@@ -96,10 +93,7 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
   constexpr int kThreads = kWarpsM * kWarpsN * kWarp;
   constexpr int kAPitch = kTileM + kPad, kBPitch = kTileN + kPad;
   constexpr int kAElems = kTileK * kAPitch, kBElems = kTileK * kBPitch;
-  extern __shared__ __align__(128) unsigned char shared_raw[];
-  const int warp = threadIdx.x / kWarp;
-  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
-  StageBuffers<T, kStages, kAElems, kBElems> smem(shared_raw, warp);
+  const GemmCta<T, kStages, kAElems, kBElems, kWarpsN> cta;
   WarpTile<T, kTileM, kTileN, kWarpsM, kWarpsN> tile;
   using Tile = decltype(tile);
 
@@ -117,33 +111,33 @@ __global__ void __launch_bounds__(kWarpsM* kWarpsN* kWarp,
   auto load = [&](int k_tile, int stage) {
     const int k0 = k_tile * kTileK;
     stage_chunks_or_zero<T, kTileK, kTileM, kAPitch, kThreads, kAsync>(
-        smem.a + stage * kAElems, x, [&](int r, int col) -> long long {
+        cta.a + stage * kAElems, x, [&](int r, int col) -> long long {
           const int b = k0 + r;
           return b < batch ? b * x_batch_stride + x_row + col : -1;
         });
     stage_chunks_or_zero<T, kTileK, kTileN, kBPitch, kThreads, kAsync>(
-        smem.b + stage * kBElems, grad_y, [&](int r, int col) -> long long {
+        cta.b + stage * kBElems, grad_y, [&](int r, int col) -> long long {
           const int b = k0 + r;
           return b < batch && j0 + col < cout ? b * grad_batch_stride + grad_row + col : -1;
         });
   };
   auto compute = [&](int stage) {
-    const T* a = smem.a + stage * kAElems;
-    const T* b = smem.b + stage * kBElems;
+    const T* a = cta.a + stage * kAElems;
+    const T* b = cta.b + stage * kBElems;
 #pragma unroll
     for (int kk = 0; kk < kTileK; kk += kFrag) {
       tile.template multiply<wmma::col_major, wmma::row_major>(
-          [&](int i) { return a + kk * kAPitch + (warp_m * Tile::kFragsM + i) * kFrag; },
-          [&](int j) { return b + kk * kBPitch + (warp_n * Tile::kFragsN + j) * kFrag; },
+          [&](int i) { return a + kk * kAPitch + (cta.warp_m * Tile::kFragsM + i) * kFrag; },
+          [&](int j) { return b + kk * kBPitch + (cta.warp_n * Tile::kFragsN + j) * kFrag; },
           kAPitch, kBPitch);
     }
   };
   pipeline<kStages>(first, last, load, compute);
 
-  const int row0 = i0 + warp_m * Tile::kFragsM * kFrag;
-  const int col0 = j0 + warp_n * Tile::kFragsN * kFrag;
+  const int row0 = i0 + cta.warp_m * Tile::kFragsM * kFrag;
+  const int col0 = j0 + cta.warp_n * Tile::kFragsN * kFrag;
   float* cell = grad_cells + static_cast<size_t>(entry_cell[entry]) * cin * n_pitch;
-  tile.template drain<false>(smem.scratch, [&](int r, int c, float value) {
+  tile.template drain<false>(cta.scratch, [&](int r, int c, float value) {
     atomicAdd(cell + static_cast<size_t>(row0 + r) * n_pitch + col0 + c, value);
   });
 }
