@@ -38,7 +38,7 @@ def boxable(t: torch.Tensor) -> bool:
             and (batch == 1 or t.stride(0) * element % TMA_ALIGNMENT == 0))
 
 
-def _rows(t: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:
+def rows_descriptor(t: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:
     """The tensor map of [B, C, N] channels-last t as [B, N*C], in boxes of ``block``."""
     batch, channels, nodes = t.shape
     stride = t.stride(0) if batch > 1 else nodes * channels
@@ -99,7 +99,7 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     y = _poisoned_or_empty((batch, nout, cout), x.dtype, x.device, poison)
     grid = (nout, triton.cdiv(batch, tile.block_m), triton.cdiv(cout, tile.block_n))
     knn_conv_forward_kernel[grid](
-        _rows(x, (tile.block_m, tile.block_k)),
+        rows_descriptor(x, (tile.block_m, tile.block_k)),
         TensorDescriptor.from_tensor(cells, [tile.block_k, tile.block_n]),
         y, y if bias is None else bias, tables.count, tables.entry_x, tables.entry_w,
         batch, nout, cout, tables.entry_x.shape[1],
@@ -119,7 +119,7 @@ def grad_input(grad_y: torch.Tensor, weight: torch.Tensor, tables: TritonTables,
     dx = _poisoned_or_empty((batch, nin, cin), dtype, grad_y.device, poison)
     grid = (nin, triton.cdiv(batch, tile.block_m), triton.cdiv(cin, tile.block_n))
     knn_conv_grad_input_kernel[grid](
-        _rows(grad_y, (tile.block_m, tile.block_k)),
+        rows_descriptor(grad_y, (tile.block_m, tile.block_k)),
         TensorDescriptor.from_tensor(cells, [tile.block_k, tile.block_n]),
         dx, tables.pair_start, tables.pair_gy, tables.pair_w, batch, nin, cin,
         CHUNKS=cout // tile.block_k, BM=tile.block_m, BN=tile.block_n, BK=tile.block_k,
@@ -137,7 +137,8 @@ def grad_weight(grad_y: torch.Tensor, x: torch.Tensor, tables: TritonTables, *, 
     partial = _poisoned_or_empty((splits, v, cin, cout), torch.float32, x.device, poison)
     grid = (v * splits, triton.cdiv(cin, tile.block_m), triton.cdiv(cout, tile.block_n))
     knn_conv_grad_weight_kernel[grid](
-        _rows(x, (tile.block_k, tile.block_m)), _rows(grad_y, (tile.block_k, tile.block_n)),
+        rows_descriptor(x, (tile.block_k, tile.block_m)),
+        rows_descriptor(grad_y, (tile.block_k, tile.block_n)),
         partial, tables.cell_start, tables.cell_x, tables.cell_gy, batch, cin, cout, v,
         splits, triton.cdiv(batch, tile.block_k), BM=tile.block_m,
         BN=tile.block_n, BB=tile.block_k, num_warps=tile.warps, num_stages=tile.stages)
