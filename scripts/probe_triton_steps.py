@@ -1,13 +1,15 @@
-"""Whether the triton kernels' per-step table loads cost time: the forward and dW kernels
-against variants that load each step's box coordinates one step ahead (GPU).
+"""Variants of the triton kernels' step loops against the shipped kernels (GPU): dW loading
+each step's box coordinates one step ahead, and the forward and dW loops warp-specialised.
 
     python scripts/probe_triton_steps.py GEOMETRY_DIR OUT.json LAYER_SUBSTR:BATCH [...]
 
 The shipped kernels read a step's coordinates from their tables and then issue its two box
-loads, so every step waits on a dependent load first. The variants here carry the next step's
-coordinates in registers across the loop. Both run with the rules' tiles on the same
-channels-last fp16 operands, replayed as CUDA graphs (median of 20); outputs must agree
-bit for bit.
+loads, so every step waits on a dependent load first: "ahead" carries the next step's
+coordinates in registers across the loop. "specialised" asks Triton to split each loop into
+producer warps issuing the box loads and consumer warps issuing the MMAs
+(``tl.range(..., warp_specialize=True)``). All run with the rules' tiles on the same
+channels-last fp16 operands, replayed as CUDA graphs (median of 20); outputs must agree bit
+for bit.
 """
 
 from __future__ import annotations
@@ -28,31 +30,51 @@ DEVICE = torch.device("cuda")
 
 
 @triton.jit
-def forward_ahead_kernel(x_desc, w_desc, y_ptr, count_ptr, entry_x_ptr, entry_w_ptr,
-                         batch, nout, cout, k_max, CHUNKS: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def forward_specialised_kernel(x_desc, w_desc, y_ptr, count_ptr, entry_x_ptr, entry_w_ptr,
+                               batch, nout, cout, k_max, CHUNKS: tl.constexpr,
+                               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     node = tl.program_id(0)
     b0 = tl.program_id(1) * BM
     o0 = tl.program_id(2) * BN
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    row = node * k_max
-    x_at = tl.load(entry_x_ptr + row)
-    w_at = tl.load(entry_w_ptr + row)
-    for entry in range(tl.load(count_ptr + node)):
-        following = row + tl.minimum(entry + 1, k_max - 1)
-        x_next = tl.load(entry_x_ptr + following)
-        w_next = tl.load(entry_w_ptr + following)
-        for chunk in tl.static_range(CHUNKS):
-            a = x_desc.load([b0, x_at + chunk * BK])
-            w = w_desc.load([w_at + chunk * BK, o0])
-            acc = tl.dot(a, w, acc)
-        x_at = x_next
-        w_at = w_next
+    steps = tl.load(count_ptr + node) * CHUNKS
+    for step in tl.range(steps, warp_specialize=True):
+        entry = node * k_max + step // CHUNKS
+        c0 = (step % CHUNKS) * BK
+        a = x_desc.load([b0, tl.load(entry_x_ptr + entry) + c0])
+        w = w_desc.load([tl.load(entry_w_ptr + entry) + c0, o0])
+        acc = tl.dot(a, w, acc)
     cols = o0 + tl.arange(0, BN)
     rows = b0 + tl.arange(0, BM)
     out = y_ptr + rows[:, None].to(tl.int64) * (nout * cout) + node * cout + cols[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty),
              mask=(rows[:, None] < batch) & (cols[None, :] < cout))
+
+
+@triton.jit
+def grad_weight_specialised_kernel(x_desc, gy_desc, partial_ptr, start_ptr, pair_x_ptr,
+                                   pair_gy_ptr, batch, cin, cout, cells, splits, batch_chunks,
+                                   BM: tl.constexpr, BN: tl.constexpr, BB: tl.constexpr):
+    cell = tl.program_id(0) % cells
+    split = tl.program_id(0) // cells
+    c0 = tl.program_id(1) * BM
+    o0 = tl.program_id(2) * BN
+    first = tl.load(start_ptr + cell)
+    pairs = tl.load(start_ptr + cell + 1) - first
+    steps = pairs * batch_chunks
+    lo = (steps * split) // splits
+    hi = (steps * (split + 1)) // splits
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for step in tl.range(lo, hi, warp_specialize=True):
+        pair = first + step % pairs
+        b0 = (step // pairs) * BB
+        a = x_desc.load([b0, tl.load(pair_x_ptr + pair) + c0])
+        g = gy_desc.load([b0, tl.load(pair_gy_ptr + pair) + o0])
+        acc = tl.dot(tl.trans(a), g, acc)
+    rows = c0 + tl.arange(0, BM)
+    cols = o0 + tl.arange(0, BN)
+    out = partial_ptr + ((split * cells + cell) * cin + rows[:, None]) * cout + cols[None, :]
+    tl.store(out, acc, mask=(rows[:, None] < cin) & (cols[None, :] < cout))
 
 
 @triton.jit
@@ -89,13 +111,13 @@ def grad_weight_ahead_kernel(x_desc, gy_desc, partial_ptr, start_ptr, pair_x_ptr
     tl.store(out, acc, mask=(rows[:, None] < cin) & (cols[None, :] < cout))
 
 
-def forward_ahead(x, weight, tables, *, nout, v, tile):
+def forward_variant(kernel, x, weight, tables, *, nout, v, tile):
     batch, cin, _ = x.shape
     cout = weight.shape[0]
     cells = launch.weight_by_cell(weight, cin, v, reverse=False)
     y = torch.empty((batch, nout, cout), dtype=x.dtype, device=x.device)
     grid = (nout, triton.cdiv(batch, tile.block_m), triton.cdiv(cout, tile.block_n))
-    forward_ahead_kernel[grid](
+    kernel[grid](
         launch.rows_descriptor(x, (tile.block_m, tile.block_k)),
         launch.TensorDescriptor.from_tensor(cells, [tile.block_k, tile.block_n]),
         y, tables.count, tables.entry_x, tables.entry_w, batch, nout, cout,
@@ -104,12 +126,12 @@ def forward_ahead(x, weight, tables, *, nout, v, tile):
     return y.transpose(1, 2)
 
 
-def grad_weight_ahead(grad_y, x, tables, *, v, tile, splits):
+def grad_weight_variant(kernel, grad_y, x, tables, *, v, tile, splits):
     batch, cin, _ = x.shape
     cout = grad_y.shape[1]
     partial = torch.empty((splits, v, cin, cout), dtype=torch.float32, device=x.device)
     grid = (v * splits, triton.cdiv(cin, tile.block_m), triton.cdiv(cout, tile.block_n))
-    grad_weight_ahead_kernel[grid](
+    kernel[grid](
         launch.rows_descriptor(x, (tile.block_k, tile.block_m)),
         launch.rows_descriptor(grad_y, (tile.block_k, tile.block_n)),
         partial, tables.cell_start, tables.cell_x, tables.cell_gy, batch, cin, cout, v,
@@ -139,26 +161,39 @@ def probe_cell(layer, batch: int) -> list[dict]:
     calls = {
         ("forward", "shipped"): lambda: launch.forward(x, weight, None, tables, nout=plan.nout,
                                                        v=plan.v, tile=forward_tile),
-        ("forward", "ahead"): lambda: forward_ahead(x, weight, tables, nout=plan.nout, v=plan.v,
-                                                    tile=forward_tile),
+        ("forward", "specialised"): lambda: forward_variant(
+            forward_specialised_kernel, x, weight, tables, nout=plan.nout, v=plan.v,
+            tile=forward_tile),
         ("grad_weight", "shipped"): lambda: launch.grad_weight(grad_y, x, tables, v=plan.v,
                                                                tile=weight_tile, splits=splits),
-        ("grad_weight", "ahead"): lambda: grad_weight_ahead(grad_y, x, tables, v=plan.v,
-                                                            tile=weight_tile, splits=splits),
+        ("grad_weight", "ahead"): lambda: grad_weight_variant(
+            grad_weight_ahead_kernel, grad_y, x, tables, v=plan.v, tile=weight_tile,
+            splits=splits),
+        ("grad_weight", "specialised"): lambda: grad_weight_variant(
+            grad_weight_specialised_kernel, grad_y, x, tables, v=plan.v, tile=weight_tile,
+            splits=splits),
     }
     rows = []
-    for family in ("forward", "grad_weight"):
-        shipped, ahead = calls[family, "shipped"](), calls[family, "ahead"]()
-        same = bool(torch.equal(shipped, ahead))
-        times = {variant: graph_replay_ms(calls[family, variant], DEVICE, warmup=3,
-                                          repeats=20)[0] for variant in ("shipped", "ahead")}
-        rows.append({"layer": layer.name, "batch": batch, "family": family,
-                     "tile": (forward_tile if family == "forward" else weight_tile).__dict__,
-                     "bit_identical": same, **{f"{k}_ms": t for k, t in times.items()},
-                     **{f"{k}_tflops": flop / t / 1e9 for k, t in times.items()}})
-        print(f"{layer.name[-40:]:40} B={batch:5} {family:11} shipped {times['shipped']:.3f} ms"
-              f"  ahead {times['ahead']:.3f} ms  ({times['shipped'] / times['ahead']:.2f}x)"
-              f"  identical {same}", flush=True)
+    for (family, variant), call in calls.items():
+        if variant == "shipped":
+            shipped = call()
+            shipped_ms = graph_replay_ms(call, DEVICE, warmup=3, repeats=20)[0]
+            continue
+        row = {"layer": layer.name, "batch": batch, "family": family, "variant": variant,
+               "tile": (forward_tile if family == "forward" else weight_tile).__dict__,
+               "shipped_ms": shipped_ms, "shipped_tflops": flop / shipped_ms / 1e9}
+        try:
+            row["bit_identical"] = bool(torch.equal(shipped, call()))
+            ms = graph_replay_ms(call, DEVICE, warmup=3, repeats=20)[0]
+        except Exception as exc:  # a variant the compiler rejects (shared memory, ...)
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            print(f"{layer.name[-40:]:40} B={batch:5} {family:11} {variant}: {row['error']}")
+        else:
+            row.update(ms=ms, tflops=flop / ms / 1e9)
+            print(f"{layer.name[-40:]:40} B={batch:5} {family:11} shipped {shipped_ms:.3f} ms"
+                  f"  {variant} {ms:.3f} ms ({shipped_ms / ms:.2f}x)"
+                  f"  identical {row['bit_identical']}", flush=True)
+        rows.append(row)
     return rows
 
 

@@ -1,6 +1,7 @@
 """Where the host time of one eager training step of an accelerated fovi model goes: cProfile
 over a few steps at a small batch (GPU-light, so the step is host-bound), the top functions
-by own time, and the step's wall time next to fovi's own path.
+by own and by cumulative time, and the step's wall time next to fovi's own path and the grid
+ResNet-18's.
 
     python scripts/profile_fovi_host.py [resnet18|alexnet] [BATCH]
 """
@@ -35,7 +36,7 @@ def main() -> int:
     device = torch.device("cuda")
     models = PathModels(name, 64, device)
     steps = {}
-    for path in ("fovi", "accelerated"):
+    for path in ("fovi", "accelerated", "grid"):
         module, forward = models.network(path)
         x, labels = models.inputs(path, batch, device)
         steps[path] = training_step(module, forward, x, labels, device, graph=False)
@@ -51,6 +52,7 @@ def main() -> int:
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
     stats.print_stats(35)
+    stats.sort_stats("cumulative").print_stats(45)
     print(text.getvalue())
     return 0
 
