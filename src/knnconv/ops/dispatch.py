@@ -67,7 +67,7 @@ def resolve_backend(name: str, plan: GeometryPlan, device: torch.device, dtype: 
 
 
 # The native backends auto tries on CUDA tensors, in this order: the TMA-fed Triton kernels
-# where they serve (compute capability 9.0+, channel counts multiples of 16) and suit the call
+# where they serve (compute capability 9.0+, output channels a multiple of 16) and suit the call
 # (triton_suits), then the NVRTC kernels (sm_80+, every layer).
 NATIVE_ORDER = ("triton", "cuda")
 # Replayed, the triton backend's training step reaches 40% of the floor on the large published

@@ -1,7 +1,8 @@
 """The triton backend (knnconv.ops.triton) without a GPU: its kernels in Triton's CPU
 interpreter (tests/conftest.py sets TRITON_INTERPRET=1 where no GPU is seen), every output
 against the float64 oracle at odd sizes, with padding, bin collisions and all-padding nodes,
-outputs NaN-poisoned before the kernels run; its tables, tiles and refusals.
+outputs NaN-poisoned before the kernels run, also on layers whose input channels it pads
+(image stems); its tables, tiles and refusals.
 
 The interpreter computes float16 dots correctly but not bfloat16 ones (Triton 3.9's interpreter
 turns bfloat16 dot operands into garbage), so bfloat16 is checked on the GPU only
@@ -94,9 +95,10 @@ def test_the_weight_gradient_is_the_same_however_the_pairs_are_split():
         assert rel_err(other, results[0]) < 1e-6
 
 
+@pytest.mark.parametrize("cin", [32, 3, 24], ids=["cin32", "stem_cin3_padded", "cin24_padded"])
 @pytest.mark.parametrize("storage", ["channels_last", "contiguous"])
-def test_training_through_knn_conv_in_either_storage(storage):
-    geometry, plan, (x, w, b, gy) = make_case(11, 17, 32, 16, padding=0.3)
+def test_training_through_knn_conv_in_either_storage(storage, cin):
+    geometry, plan, (x, w, b, gy) = make_case(11 + cin, 17, cin, 16, padding=0.3)
     xh = x.half() if storage == "contiguous" else channels_last(x.half())
     xh.requires_grad_()
     wh, bh = w.half().requires_grad_(), b.float().requires_grad_()
@@ -174,13 +176,25 @@ def test_splits_fill_the_processors_but_keep_steps_per_split():
 
 @pytest.mark.parametrize("dtype, cin, cout, match", [
     (torch.float32, 16, 16, "float16/bfloat16"),
-    (torch.float16, 24, 16, "multiples of 16"),
-    (torch.float16, 16, 8, "multiples of 16"),
+    (torch.float16, 16, 24, "a multiple of 16"),
+    (torch.float16, 3, 8, "a multiple of 16"),
 ])
 def test_calls_it_cannot_serve_are_refused_by_name(dtype, cin, cout, match):
     _, plan, (x, w, b, _) = make_case(1, 2, cin, cout)
     with pytest.raises(ValueError, match=match):
         knnconv.knn_conv(x.to(dtype), w.to(dtype), b.to(dtype), plan, backend="triton")
+
+
+def test_input_channels_are_padded_to_whole_chunks_with_zeros():
+    assert [launch.padded_channels(c) for c in (3, 16, 24, 32)] == [16, 16, 32, 32]
+    x = torch.randn(2, 3, 5, dtype=torch.float16)
+    padded = launch.with_padded_channels(x, 16)
+    assert padded.shape == (2, 16, 5) and launch.boxable(padded)
+    assert torch.equal(padded[:, :3], x) and not padded[:, 3:].any()
+    w = torch.randn(4, 3 * 7)
+    wide = launch.weight_with_padded_channels(w, 16, 7)
+    assert wide.shape == (4, 16 * 7)
+    assert torch.equal(wide[:, :21], w) and not wide[:, 21:].any()
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):

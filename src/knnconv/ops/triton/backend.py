@@ -71,27 +71,46 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
         if dtype not in COMPUTE_DTYPES:
             return (f"computes in float16/bfloat16, got {dtype} (use torch.autocast, or "
                     "backend='torch_compact' / 'auto' for float32)")
-        if plan.cin % MIN_BLOCK or plan.cout % MIN_BLOCK:
-            return (f"needs channel counts that are multiples of {MIN_BLOCK} (a contraction "
-                    f"chunk), got Cin = {plan.cin}, Cout = {plan.cout}")
+        if plan.cout % MIN_BLOCK:
+            return (f"needs output channels that are a multiple of {MIN_BLOCK} (a contraction "
+                    f"chunk of dx), got Cout = {plan.cout}")
         return self._device_reason(device)
 
     @staticmethod
     def tables(plan: KNNConvPlan, device: torch.device) -> TritonTables:
+        """The layer's tables, with offsets over the channels the kernels take
+        (launch.padded_channels)."""
         return plan.derived(device, "triton.tables", lambda t: build_tables(
-            t.knn_indices, t.rf_index, nin=plan.nin, v=plan.v, cin=plan.cin, cout=plan.cout))
+            t.knn_indices, t.rf_index, nin=plan.nin, v=plan.v,
+            cin=launch.padded_channels(plan.cin), cout=plan.cout))
 
     @staticmethod
     def _boxable(t: torch.Tensor) -> torch.Tensor:
         """t in storage the kernels box (see launch.boxable), copied only where it is not."""
         return t if launch.boxable(t) else in_storage(t.contiguous(), channels_last=True)
 
+    def _kernel_input(self, plan, x: torch.Tensor) -> torch.Tensor:
+        """x as the kernels read it: boxable, its channels padded (launch.padded_channels)."""
+        channels = launch.padded_channels(plan.cin)
+        if channels != plan.cin:
+            return launch.with_padded_channels(x, channels)
+        return self._boxable(x)
+
+    @staticmethod
+    def _kernel_weight(plan, weight: torch.Tensor) -> torch.Tensor:
+        channels = launch.padded_channels(plan.cin)
+        if channels != plan.cin:
+            return launch.weight_with_padded_channels(weight, channels, plan.v)
+        return weight
+
     def forward(self, plan, x, weight, bias):
-        tile = launch.forward_tile(x.shape[0], plan.cin, plan.cout, plan.nout)
+        cin = launch.padded_channels(plan.cin)
+        tile = launch.forward_tile(x.shape[0], cin, plan.cout, plan.nout)
         key = ("forward", x.dtype, tile, x.device, bias is not None)
         first = self._first_use(key)
-        y = launch.forward(self._boxable(x), weight, bias, self.tables(plan, x.device),
-                           nout=plan.nout, v=plan.v, tile=tile, poison=first)
+        y = launch.forward(self._kernel_input(plan, x), self._kernel_weight(plan, weight), bias,
+                           self.tables(plan, x.device), nout=plan.nout, v=plan.v, tile=tile,
+                           poison=first)
         if first:
             self._check(key, y, lambda *args: self._oracle.forward(plan, *args), x, weight, bias)
         return y
@@ -103,23 +122,28 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
         grad_dtypes = tuple(torch.float32 if d is None else d for d in dtypes)
         tables = self.tables(plan, device)
         gy = self._boxable(grad_y)
+        cin = launch.padded_channels(plan.cin)
         keys, grads = {}, [None, None, None]
         if need_input:
-            tile = launch.grad_input_tile(batch, plan.cin, plan.cout, plan.nin)
+            tile = launch.grad_input_tile(batch, cin, plan.cout, plan.nin)
             keys["input"] = ("grad_input", grad_y.dtype, tile, device, grad_dtypes[0])
         if need_weight:
-            tile_w = launch.grad_weight_tile(batch, plan.cin, plan.cout)
+            tile_w = launch.grad_weight_tile(batch, cin, plan.cout)
             splits = launch.grad_weight_splits(
-                tile_w, batch=batch, cin=plan.cin, cout=plan.cout, v=plan.v,
+                tile_w, batch=batch, cin=cin, cout=plan.cout, v=plan.v,
                 entries=plan.entry_count, processors=self._processors(device))
             keys["weight"] = ("grad_weight", grad_y.dtype, tile_w, device, splits)
         first = {role for role, key in keys.items() if self._first_use(key)}
         if need_input:
-            grads[0] = launch.grad_input(gy, weight, tables, nin=plan.nin, v=plan.v, tile=tile,
+            grads[0] = launch.grad_input(gy, self._kernel_weight(plan, weight), tables,
+                                         nin=plan.nin, v=plan.v, tile=tile,
                                          dtype=grad_dtypes[0], poison="input" in first)
+            grads[0] = grads[0][:, :plan.cin]  # the padded channels' dx is dropped
         if need_weight:
-            grads[1] = launch.grad_weight(gy, self._boxable(x), tables, v=plan.v, tile=tile_w,
-                                          splits=splits, poison="weight" in first)
+            grads[1] = launch.grad_weight(gy, self._kernel_input(plan, x), tables, v=plan.v,
+                                          tile=tile_w, splits=splits, poison="weight" in first)
+            if cin != plan.cin:  # the padded channels' columns are the last ones
+                grads[1] = grads[1][:, :plan.cin * plan.v].contiguous()
         if need_bias:
             grads[2] = grad_y.sum(dim=(0, 2), dtype=torch.float32)
         self._check_gradients(plan, keys, first, grads, grad_y, x, weight)

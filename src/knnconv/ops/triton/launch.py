@@ -1,6 +1,7 @@
 """Launches of the ``triton`` backend's kernels (knnconv.ops.triton.kernels): the tiles, the
 tensor descriptors, the grids and the outputs of one call. Operands arrive in the storage the
-kernels read (see :func:`boxable`); the weight is laid out by cell here, once per call.
+kernels read (see :func:`boxable`), with a multiple of MIN_BLOCK input channels (see
+:func:`padded_channels`); the weight is laid out by cell here, once per call.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .configs import TileConfig, tile_config
+from .configs import MIN_BLOCK, TileConfig, tile_config
 from .kernels import (
     knn_conv_forward_kernel,
     knn_conv_grad_input_kernel,
@@ -36,6 +37,29 @@ def boxable(t: torch.Tensor) -> bool:
     return ((channels == 1 or t.stride(1) == 1) and (nodes == 1 or t.stride(2) == channels)
             and t.data_ptr() % TMA_ALIGNMENT == 0
             and (batch == 1 or t.stride(0) * element % TMA_ALIGNMENT == 0))
+
+
+def padded_channels(cin: int) -> int:
+    """The input channels the kernels take for a layer of ``cin``: a multiple of MIN_BLOCK (a
+    contraction chunk, and a box row of at least 16 bytes). An image stem's three channels
+    become sixteen, the extra ones zeros: its neighbours' rows are then boxes too, at the
+    price of contracting zeros."""
+    return -(-cin // MIN_BLOCK) * MIN_BLOCK
+
+
+def with_padded_channels(x: torch.Tensor, channels: int) -> torch.Tensor:
+    """x [B, Cin, Nin] as [B, channels, Nin] (channels >= Cin, the extra ones zero), the view
+    of a contiguous [B, Nin, channels] buffer: :func:`boxable`."""
+    batch, cin, nin = x.shape
+    padded = x.new_zeros(batch, nin, channels)
+    padded[:, :, :cin] = x.transpose(1, 2)
+    return padded.transpose(1, 2)
+
+
+def weight_with_padded_channels(weight: torch.Tensor, channels: int, v: int) -> torch.Tensor:
+    """weight [Cout, Cin*V] as [Cout, channels*V], zero for the extra channels (column
+    c*V + v belongs to channel c, so they are the last columns)."""
+    return torch.nn.functional.pad(weight, (0, channels * v - weight.shape[1]))
 
 
 def rows_descriptor(t: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:
