@@ -86,3 +86,17 @@ def test_replayed_auto_takes_the_triton_kernels_where_cells_have_pairs():
     with knnconv.context.using(graph_replay=True):
         assert suits(plan, 1) and not suits(sparse, 2**20)
     assert not suits(plan, 1)  # eager again
+
+
+def test_auto_leaves_stems_whose_channels_triton_pads_to_the_cuda_kernels():
+    suits = dispatch.triton_suits
+    stem = random_geometry(torch.Generator().manual_seed(3), nin=60, nout=30, k=9).plan(
+        cin=3, cout=64)
+    with knnconv.context.using(graph_replay=True):
+        assert not suits(stem, None)
+    assert not suits(stem, 2**20)
+    torch.use_deterministic_algorithms(True)
+    try:  # deterministic: the padded kernels are the only native ones that serve it
+        assert suits(stem, 1)
+    finally:
+        torch.use_deterministic_algorithms(False)

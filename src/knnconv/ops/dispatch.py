@@ -13,6 +13,7 @@ from .. import context
 from ..plan import GeometryPlan, KNNConvPlan
 from . import autotune
 from .registry import KNNConvOps, available_backends, get_ops
+from .triton.configs import MIN_BLOCK as TRITON_CHANNEL_CHUNK
 
 if TYPE_CHECKING:
     from .cuda import CudaOps
@@ -83,6 +84,9 @@ def triton_suits(plan: KNNConvPlan, batch) -> bool:
     """Whether auto takes the triton backend for a convolution call it serves.
 
     - Under deterministic algorithms: always (the cuda backend's backward is refused there).
+    - Layers whose input channels triton pads (image stems): never otherwise. Contracting
+      13 zero channels of 16, a three-channel stem's training step was 1.3-2.5x slower than
+      the cuda backend's (fovi ResNet-18 conv1, B = 128-2048).
     - Steps replayed as graphs (torch.compile, a batch that is not a known int, or the
       graph_replay setting), where GPU time alone counts: where the layer has at least one
       neighbour slot (Nout x K) per kernel cell; the slot count, not the real pairs, so that
@@ -94,6 +98,8 @@ def triton_suits(plan: KNNConvPlan, batch) -> bool:
     (bench/results/h200.json, bench/NOTES.md 2026-12-03)"""
     if torch.are_deterministic_algorithms_enabled():
         return True
+    if plan.cin % TRITON_CHANNEL_CHUNK:
+        return False
     # Under torch.compile the batch may be a symbolic size that Dynamo passes off as an int;
     # comparing it would guard on data (and fail with a dynamic batch)
     if (torch.compiler.is_compiling() or not isinstance(batch, int)
