@@ -52,8 +52,8 @@ def knn_geometry(in_coords, out_coords, k, *, ref_side=None):
     ``-1 + (2i + 1) / side`` is nearest along each axis (an offset exactly on a cell
     border goes to the higher cell).
     """
-    in_points = _as_coords(in_coords, "in_coords")
-    out_points = _as_coords(out_coords, "out_coords")
+    in_points = as_coords(in_coords, "in_coords")
+    out_points = as_coords(out_coords, "out_coords")
     k = check_positive("k", k)
     side = math.isqrt(k - 1) + 1 if ref_side is None else check_positive("ref_side", ref_side)
 
@@ -188,7 +188,9 @@ def _cell_along_axis(normalised_offsets, side):
     return cell.clamp_(0, side - 1)
 
 
-def _as_coords(coords, name):
+def as_coords(coords, name: str) -> torch.Tensor:
+    """``coords`` as a float64 CPU tensor [N, 2], checked: numeric, two columns, at least one
+    point, finite; ``name`` names it in the errors."""
     try:
         points = torch.as_tensor(coords).detach().to(device="cpu", dtype=torch.float64)
     except (TypeError, ValueError, RuntimeError) as error:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._checks import check_tensor
-from .geometry import _as_coords, foveated_stack
+from .geometry import as_coords, foveated_stack
 from .layers import KNNConv
 from .pool import KNNPool
 
@@ -30,7 +30,7 @@ def sample_images(images: torch.Tensor, coords) -> torch.Tensor:
     check_tensor("images", images)
     if images.dim() != 4:
         raise ValueError(f"images must be 4-D [B, C, H, W], got shape {tuple(images.shape)}")
-    points = _as_coords(coords, "coords").to(images)
+    points = as_coords(coords, "coords").to(images)
     grid = points.view(1, 1, -1, 2).expand(images.shape[0], 1, -1, 2)
     samples = F.grid_sample(images, grid, mode="bilinear", padding_mode="border",
                             align_corners=False)
@@ -62,7 +62,7 @@ class FoveatedClassifier(nn.Module):
         super().__init__()
         self.features = features
         self.classifier = nn.Linear(feature_channels, num_classes)
-        self.register_buffer("sensor_coords", _as_coords(sensor_coords, "sensor_coords").float(),
+        self.register_buffer("sensor_coords", as_coords(sensor_coords, "sensor_coords").float(),
                              persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,8 +86,8 @@ class KNNBasicBlock(nn.Module):
         self.conv2 = KNNConv.from_coords(out_channels, out_channels, out_coords, out_coords, k,
                                          bias=False, backend=backend)
         self.norm2 = nn.BatchNorm1d(out_channels)
-        in_points = _as_coords(in_coords, "in_coords")
-        out_points = _as_coords(out_coords, "out_coords")
+        in_points = as_coords(in_coords, "in_coords")
+        out_points = as_coords(out_coords, "out_coords")
         same_layout = in_points.shape == out_points.shape and torch.equal(in_points, out_points)
         if same_layout and in_channels == out_channels:
             self.shortcut = nn.Identity()

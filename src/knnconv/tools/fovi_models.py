@@ -441,29 +441,30 @@ def run(args: argparse.Namespace, device: torch.device) -> int:
     rows: list[dict[str, Any]] = []
     breakdowns: dict[str, dict[str, Any]] = {}
     sizes: dict[str, dict[str, int]] = {}
-    for name in args.fovi_model:
-        model_rows_, breakdowns[name], sizes[name] = model_rows(name, args, device)
-        rows.extend(model_rows_)
-    print("\n".join(speedup_lines(rows)))
-    if breakdowns and any(breakdowns.values()):
-        print("\n".join(breakdown_lines(breakdowns)))
     precision = ("float16 autocast, GradScaler (graph: static loss scale)"
                  if device.type == "cuda" else "float32")
-    result = {
-        "device": description, "torch": torch.__version__, "cuda": torch.version.cuda,
-        "command": " ".join(sys.argv),
-        "settings": {"fovi_models": args.fovi_model, "in_res": args.in_res,
-                     "batches": args.batches, "warmup": args.warmup, "repeats": args.repeats,
-                     "large_batch_repeats": None if args.repeats_given else LARGE_BATCH_REPEATS,
-                     "profile_batches": args.profile_batches, "precision": precision,
-                     "optimizer": f"SGD lr {LEARNING_RATE}", "classes": N_CLASSES,
-                     "sizes": sizes},
-        "rows": rows, "breakdown": breakdowns,
-    }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"{args.name or default_name(device)}_fovi_models"
     json_path, png_path = stem.with_suffix(".json"), stem.with_suffix(".png")
-    json_path.write_text(json.dumps(result, indent=1))
+    for name in args.fovi_model:
+        model_rows_, breakdowns[name], sizes[name] = model_rows(name, args, device)
+        rows.extend(model_rows_)
+        # written after every model, so a run cut short keeps the models it finished
+        json_path.write_text(json.dumps({
+            "device": description, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "command": " ".join(sys.argv),
+            "settings": {"fovi_models": args.fovi_model, "in_res": args.in_res,
+                         "batches": args.batches, "warmup": args.warmup,
+                         "repeats": args.repeats,
+                         "large_batch_repeats": (None if args.repeats_given
+                                                 else LARGE_BATCH_REPEATS),
+                         "profile_batches": args.profile_batches, "precision": precision,
+                         "optimizer": f"SGD lr {LEARNING_RATE}", "classes": N_CLASSES,
+                         "sizes": sizes},
+            "rows": rows, "breakdown": breakdowns}, indent=1))
+    print("\n".join(speedup_lines(rows)))
+    if breakdowns and any(breakdowns.values()):
+        print("\n".join(breakdown_lines(breakdowns)))
     print(f"wrote {json_path}")
     if plot(rows, png_path, f"fovi models, training step: {description}, {precision}"):
         print(f"wrote {png_path}")
