@@ -247,38 +247,52 @@ PLOTTED = "auto"
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    """Per cell (one row each, grouped by model), fovi's time over knnconv's and knnconv's
+    peak training memory over fovi's, side by side on log axes."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter
 
     by_cell = paired_cells(rows, PLOTTED)
     cells = list(by_cell)
-    figure = Figure(figsize=(max(8.0, 0.15 * len(cells)), 8.0))
+    figure = Figure(figsize=(12.0, 2.0 + 0.16 * len(cells)), layout="constrained")
     FigureCanvasAgg(figure)
-    speed, memory = figure.subplots(2, 1, sharex=True)
-    for mode, marker, label in (("train", "s", "train, same operands"),
-                                ("train_fresh", "D", "train, fresh operands"),
-                                ("forward", "o", "forward, same operands"),
-                                ("forward_fresh", "^", "forward, fresh operands")):
-        speed.scatter(range(len(cells)), [by_cell[c]["fovi"][f"{mode}_ms"]
-                                          / by_cell[c][PLOTTED][f"{mode}_ms"] for c in cells],
-                      s=14, marker=marker, label=label)
-    speed.set_ylabel("fovi 2.4.0 kernels' time / knnconv's (same run)")
-    speed.set_title("knnconv's faster native backend per cell against fovi 2.4.0's kernels, "
-                    "per layer (one H200, one run)")
-    memory.scatter(range(len(cells)), [by_cell[c][PLOTTED]["peak_train_mib"]
-                                       / by_cell[c]["fovi"]["peak_train_mib"] for c in cells],
-                   s=14, marker="s", color="C2")
-    memory.set_ylabel("peak memory of a training step\n(fresh operands), knnconv / fovi")
+    speed, memory = figure.subplots(1, 2, sharey=True, width_ratios=(3, 2))
+    positions = range(len(cells))
+    for number, (mode, marker, label) in enumerate((
+            ("train", "s", "training step, same operands"),
+            ("train_fresh", "D", "training step, fresh operands"),
+            ("forward", "o", "forward, same operands"),
+            ("forward_fresh", "^", "forward, fresh operands"))):
+        shift = 0.6 * ((number + 0.5) / 4 - 0.5)  # each series a little off the cell's line
+        speed.scatter([by_cell[c]["fovi"][f"{mode}_ms"] / by_cell[c][PLOTTED][f"{mode}_ms"]
+                       for c in cells], [p + shift for p in positions], s=12, marker=marker,
+                      label=label)
+    memory.scatter([by_cell[c][PLOTTED]["peak_train_mib"] / by_cell[c]["fovi"]["peak_train_mib"]
+                    for c in cells], positions, s=12, marker="s", color="C4")
+    speed.set_xlabel(f"fovi 2.4.0 kernels' time / knnconv {PLOTTED}'s\n(above 1: knnconv "
+                     "is faster)")
+    memory.set_xlabel("peak memory of a training step\n(fresh operands), knnconv / fovi")
+    models = [layer.partition(":")[0] for layer, _ in cells]
     for axis in (speed, memory):
-        axis.axhline(1.0, color="gray", linewidth=0.8)
-        axis.set_yscale("log")
-        axis.grid(True, which="both", axis="y", alpha=0.3)
-    speed.legend(fontsize=7)
-    memory.set_xticks(range(len(cells)))
-    memory.set_xticklabels([f"{layer} B={batch}" for layer, batch in cells], rotation=90,
-                           fontsize=5)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+        axis.axvline(1.0, color="gray", linewidth=0.8)
+        axis.set_xscale("log")
+        axis.xaxis.set_major_formatter(lambda value, _: f"{value:g}")
+        axis.xaxis.set_minor_formatter(NullFormatter())
+        axis.grid(True, which="both", axis="x", alpha=0.3)
+        axis.tick_params(axis="x", labelsize=8)
+        # every other model's cells on a grey band
+        for i, model in enumerate(models):
+            if list(dict.fromkeys(models)).index(model) % 2:
+                axis.axhspan(i - 0.5, i + 0.5, color="0.93", zorder=0)
+    speed.set_xticks([0.25, 0.5, 1, 2, 4, 8])
+    speed.set_yticks(list(positions), [f"{layer} B={batch}" for layer, batch in cells],
+                     fontsize=7)
+    speed.set_ylim(len(cells) - 0.5, -0.5)  # the first cell at the top
+    speed.legend(fontsize=8, loc="lower right")
+    figure.suptitle(f"knnconv ({PLOTTED}) against fovi 2.4.0's kernels per layer, fp16, "
+                    "timed in the same run on one GPU")
+    figure.savefig(path, dpi=110)
 
 
 def main() -> None:
