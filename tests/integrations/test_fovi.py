@@ -81,6 +81,7 @@ def assert_close(actual: list, expected: list) -> None:
 
 # What auto takes for these tests' small CPU batches (knnconv.ops.dispatch.torch_policy).
 AUTO_ON_CPU = "torch_binned"
+AUTO_DEPTHWISE_ON_CPU = "torch_compact"  # the torch backends' one neighbourhood implementation
 
 
 def check_routed(layer: nn.Module, x: torch.Tensor, reference, backend: str) -> None:
@@ -126,7 +127,16 @@ def test_conv_layers_match_fovi(kind, coords):
                                    fovi_knn.KNNDepthwiseSeparableConvLayer))
     reference = (lambda x: depthwise_reference(layer, x)) if depthwise else layer
     x = torch.randn(2, 3, len(coords[0]))
-    check_routed(layer, x, reference, AUTO_ON_CPU)
+    check_routed(layer, x, reference, AUTO_DEPTHWISE_ON_CPU if depthwise else AUTO_ON_CPU)
+
+
+def test_depthwise_layers_asked_for_a_backend_without_depthwise_kernels_say_they_run_auto(
+        coords):
+    layer = fovi_knn.KNNDepthwiseConvLayer(3, 3, 9, *coords, device="cpu", bias=True)
+    _, report = accelerate_with_report(layer, backend="triton")
+    assert "backend='auto'" in report.routed[0].detail
+    layer(torch.randn(2, 3, len(coords[0])))
+    assert layer.last_backend == AUTO_DEPTHWISE_ON_CPU
 
 
 @pytest.mark.parametrize("mode", ["max", "avg", "sum"])

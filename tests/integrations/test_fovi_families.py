@@ -385,8 +385,8 @@ def fresh_compiler():
 # the fake implementations of knnconv's custom ops too; "eager" runs dynamo's graph (no break
 # allowed, knnconv's custom ops and their autograd) at half the compile time, for the deep
 # ResNets, whose layer kinds (KNN conv, pooling, batch norm) test_fovi_compile.py traces with
-# aot_eager, and the depthwise-separable one, whose depthwise step is ConvNeXt's (a knn_conv
-# into the kernel cells, then an einsum) followed by a torch Linear.
+# aot_eager, and the depthwise-separable one, whose depthwise step is ConvNeXt's (knnconv's
+# depthwise conv) followed by a torch Linear.
 COMPILE_BACKENDS = {"resnet18": "eager", "resnet50": "eager", "resnet_dwsep": "eager"}
 
 

@@ -10,9 +10,9 @@ What is routed, and how:
 
 - ``KNNConvLayer`` and the ViT patch embeddings (``KNNPatchEmbedding``,
   ``PartitioningPatchEmbedding``, ``KNNPartitioningPatchEmbedding``): one :func:`knn_conv`.
-- ``KNNDepthwiseConvLayer`` and ``KNNDepthwiseSeparableConvLayer``: a :func:`knn_conv` over
-  single channels with the identity kernel sums every channel's neighbours into their V kernel
-  cells; the per-channel kernel (and the pointwise ``p_conv``) then run as torch ops. fovi
+- ``KNNDepthwiseConvLayer`` and ``KNNDepthwiseSeparableConvLayer``: knnconv's depthwise
+  convolution (the op of :class:`knnconv.KNNDepthwiseConv`) with the layer's kernel, each
+  input channel repeated by the channel multiplier; ``p_conv`` then mixes as in fovi. fovi
   2.4.0's own forward of these two classes raises (its ``_apply_local_rf`` returns
   [B, N, C*V], which their einsum reads as [B, C, V, N]); the routed layers compute what that
   einsum spells out, the features of ``_apply_local_rf`` read as [B, N, C, V].
@@ -192,50 +192,46 @@ class _PatchEmbeddingRouter(_ConvRouter):
 class _DepthwiseRouter(_PlanRouter):
     """fovi's depthwise conv, y[b, c*G + g, n] = bias + sum_k x[b, c, knn[k, n]] W[c, rf[n, k], g].
 
-    A knn_conv over one channel (channels ride in the batch) with the identity [V, V] kernel
-    sums each channel's neighbours into their V kernel cells; the per-channel kernel is then an
-    einsum. One knn_conv with the block-diagonal [Cout, Cin*V] weight would compute the same
-    with Cin times the work.
+    knnconv's depthwise convolution over the layer's tables, with the weight laid out
+    [C*G, V] (row c*G + g holds W[c, :, g]); a multiplier G > 1 repeats each input channel G
+    times first. The backend is the layer's where it has depthwise kernels, else 'auto' (the
+    triton backend has none); ``last_backend`` names the one that ran.
     """
 
     kernel_name = "weight"
 
-    def _build_plan(self) -> KNNConvPlan:
+    def __init__(self, layer: nn.Module, backend: str) -> None:
+        super().__init__(layer, backend)
+        self.multiplier = layer.out_channels // layer.in_channels
+        self.depthwise_backend = (backend if backend == "auto"
+                                  or get_ops(backend).serves_neighbourhood else "auto")
+
+    def _build_plan(self) -> NeighbourhoodPlan:
         layer = self.layer
         knn_indices, rf_index, nin, v = _knn_tables(layer)
-        multiplier = layer.out_channels // layer.in_channels
         _check_shape(self.kernel_name, getattr(layer, self.kernel_name),
-                     (layer.in_channels, v, multiplier))
-        return _checked_plan(knn_indices, rf_index, nin=nin, v=v, cin=1, cout=v)
+                     (layer.in_channels, v, layer.out_channels // layer.in_channels))
+        try:
+            return NeighbourhoodPlan(knn_indices, nin=nin, rf_index=rf_index, v=v)
+        except (TypeError, ValueError) as error:
+            raise _Unroutable(f"knnconv rejects its tables: {error}") from error
 
     def describe(self) -> str:
-        return (f"knn_conv over single channels into the kernel cells, then the per-channel "
-                f"kernel; backend={self.backend!r}, {self.plan}")
+        return (f"knnconv's depthwise conv (multiplier {self.multiplier}), "
+                f"backend={self.depthwise_backend!r}, {self.plan!r}")
 
-    def _cells(self, x: torch.Tensor) -> torch.Tensor:
-        """The identity [V, V] kernel in x's dtype and on its device: cached by the plan for
-        eager calls, a constant of the graph under torch.compile (the cache is not traceable)."""
-        def identity(_tables=None) -> torch.Tensor:
-            return torch.eye(self.plan.v, dtype=x.dtype, device=x.device)
-
-        if torch.compiler.is_compiling():
-            return identity()
-        return self.plan.derived(x.device, f"fovi_identity_{x.dtype}", identity)
-
-    def _depthwise(self, x: torch.Tensor) -> torch.Tensor:
-        plan, layer = self.plan, self.layer
-        batch, channels, nin = x.shape
-        binned, layer.last_backend = knn_conv_with_backend(
-            x.reshape(batch * channels, 1, nin), self._cells(x), None, plan, self.backend)
-        binned = binned.reshape(batch, channels, plan.v, plan.nout)
-        kernel = getattr(layer, self.kernel_name)
-        return torch.einsum("bcvn,cvg->bcgn", binned, kernel).reshape(batch, -1, plan.nout)
+    def _depthwise(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        layer, multiplier = self.layer, self.multiplier
+        kernel = getattr(layer, self.kernel_name)  # [C, V, G]
+        if multiplier > 1:
+            x = x.repeat_interleave(multiplier, dim=1)
+        weight = kernel.permute(0, 2, 1).reshape(-1, self.plan.v)
+        y, layer.last_backend = knn_depthwise_conv_with_backend(x, weight, bias, self.plan,
+                                                                self.depthwise_backend)
+        return y
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._depthwise(x)
-        if self.layer.bias is not None:
-            y = y + self.layer.bias[:, None]
-        return self.layer._mask_invalid_outputs(y)
+        return self.layer._mask_invalid_outputs(self._depthwise(x, self.layer.bias))
 
 
 class _DepthwiseSeparableRouter(_DepthwiseRouter):
@@ -245,7 +241,7 @@ class _DepthwiseSeparableRouter(_DepthwiseRouter):
     kernel_name = "dw_conv"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        mixed = self.layer.p_conv(self._depthwise(x).transpose(1, 2)).transpose(1, 2)
+        mixed = self.layer.p_conv(self._depthwise(x, None).transpose(1, 2)).transpose(1, 2)
         return self.layer._mask_invalid_outputs(mixed)
 
 

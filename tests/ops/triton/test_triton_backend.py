@@ -176,6 +176,7 @@ def test_splits_fill_the_processors_but_keep_steps_per_split():
 
 @pytest.mark.parametrize("dtype, cin, cout, match", [
     (torch.float32, 16, 16, "float16/bfloat16"),
+    (torch.bfloat16, 16, 16, "bfloat16 on the GPU only"),
     (torch.float16, 16, 24, "a multiple of 16"),
     (torch.float16, 3, 8, "a multiple of 16"),
 ])

@@ -71,6 +71,9 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
         if dtype not in COMPUTE_DTYPES:
             return (f"computes in float16/bfloat16, got {dtype} (use torch.autocast, or "
                     "backend='torch_compact' / 'auto' for float32)")
+        if dtype == torch.bfloat16 and device.type == "cpu" and interpreting():
+            return ("runs bfloat16 on the GPU only: Triton's CPU interpreter multiplies "
+                    "bfloat16 dot operands wrongly")
         if plan.cout % MIN_BLOCK:
             return (f"needs output channels that are a multiple of {MIN_BLOCK} (a contraction "
                     f"chunk of dx), got Cout = {plan.cout}")
