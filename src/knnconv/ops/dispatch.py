@@ -84,9 +84,10 @@ def triton_suits(plan: KNNConvPlan, batch) -> bool:
     """Whether auto takes the triton backend for a convolution call it serves.
 
     - Under deterministic algorithms: always (the cuda backend's backward is refused there).
-    - Layers whose input channels triton pads (image stems): never otherwise. Contracting
-      13 zero channels of 16, a three-channel stem's training step was 1.3-2.5x slower than
-      the cuda backend's (fovi ResNet-18 conv1, B = 128-2048).
+    - Layers of input channels that are not a multiple of 16 (image stems): never
+      otherwise. Over zero-padded channels a three-channel stem's training step was
+      1.3-2.5x slower than the cuda backend's (fovi ResNet-18 conv1, B = 128-2048); the
+      few-channel forward and dW kernels that replace that path are not yet timed.
     - Steps replayed as graphs (torch.compile, a batch that is not a known int, or the
       graph_replay setting), where GPU time alone counts: where the layer has at least one
       neighbour slot (Nout x K) per kernel cell; the slot count, not the real pairs, so that

@@ -1,8 +1,9 @@
 """The triton backend (knnconv.ops.triton) without a GPU: its kernels in Triton's CPU
 interpreter (tests/conftest.py sets TRITON_INTERPRET=1 where no GPU is seen), every output
 against the float64 oracle at odd sizes, with padding, bin collisions and all-padding nodes,
-outputs NaN-poisoned before the kernels run, also on layers whose input channels it pads
-(image stems); its tables, tiles and refusals.
+outputs NaN-poisoned before the kernels run, also on layers of few input channels (image
+stems: their own forward and dW kernels, dx over zero-padded channels); its tables, tiles and
+refusals.
 
 The interpreter computes float16 dots correctly but not bfloat16 ones (Triton 3.9's interpreter
 turns bfloat16 dot operands into garbage), so bfloat16 is checked on the GPU only
@@ -82,6 +83,51 @@ def test_every_output_against_float64_with_poisoned_outputs(name):
         assert rel_err(got, want) < TOLERANCE, label
     assert y.transpose(1, 2).is_contiguous() and dx.transpose(1, 2).is_contiguous()
     assert dw.dtype == torch.float32
+
+
+STEM_CASES = {  # name: (batch, cin, cout, geometry knobs), the few-channel kernels
+    "b17_cin3_padding": (17, 3, 64, {"nin": 40, "nout": 9, "k": 11, "v": 14, "padding": 0.2}),
+    "b1_cin1_nout1": (1, 1, 16, {"nout": 1, "k": 5}),
+    "b5_cin3_collisions": (5, 3, 48, {"nin": 30, "nout": 7, "k": 9, "v": 4,
+                                      "collisions": True, "padding": 0.1}),
+    "b3_cin5_v_gt_k": (3, 5, 16, {"k": 4, "v": 25}),
+}
+
+
+def plan_has_nodes(knobs: dict) -> bool:
+    """Whether a case can spare a node to make all padding (a one-node layer cannot)."""
+    return knobs.get("nout", 7) > 1
+
+
+@pytest.mark.parametrize("name", list(STEM_CASES))
+def test_few_channel_kernels_against_float64_with_poisoned_outputs(name):
+    batch, cin, cout, knobs = STEM_CASES[name]
+    geometry, plan, (x, w, b, gy) = make_case(len(name), batch, cin, cout,
+                                              all_padding_node=plan_has_nodes(knobs), **knobs)
+    gyh = channels_last(gy.half())
+    tables = get_ops("triton").stem_tables(plan, CPU)
+    # small tiles, so that several steps, row tiles and column tiles are walked
+    y = launch.stem_forward(x.half(), w.half(), b.half(), tables, nin=plan.nin, nout=plan.nout,
+                            v=plan.v, tile=configs.TileConfig(32, 16, 16, 4, 2), poison=True)
+    dw = launch.stem_grad_weight(gyh, x.half(), tables, nin=plan.nin, v=plan.v,
+                                 tile=configs.TileConfig(16, 16, 16, 4, 2), poison=True)
+    x64, w64, b64 = (t.half().double().requires_grad_() for t in (x, w, b))
+    y64 = oracle_knn_conv(x64, w64, b64, geometry)
+    y64.backward(gy.half().double())
+    dw64 = torch.zeros_like(w64) if w64.grad is None else w64.grad
+    for label, got, want in (("y", y, y64), ("dw", dw, dw64)):
+        assert got.shape == want.shape, label
+        assert rel_err(got, want) < TOLERANCE, label
+    assert y.transpose(1, 2).is_contiguous() and dw.dtype == torch.float32
+
+
+def test_the_few_channel_weight_gradient_is_bit_identical_from_run_to_run():
+    _, plan, (x, _, _, gy) = make_case(3, 33, 3, 32, nin=50, nout=20, k=9, padding=0.2)
+    tables = get_ops("triton").stem_tables(plan, CPU)
+    runs = [launch.stem_grad_weight(channels_last(gy.half()), x.half(), tables, nin=plan.nin,
+                                    v=plan.v, tile=configs.TileConfig(16, 16, 16, 4, 2))
+            for _ in range(3)]
+    assert all(torch.equal(run, runs[0]) for run in runs[1:])
 
 
 def test_the_weight_gradient_is_the_same_however_the_pairs_are_split():
@@ -188,6 +234,8 @@ def test_calls_it_cannot_serve_are_refused_by_name(dtype, cin, cout, match):
 
 def test_input_channels_are_padded_to_whole_chunks_with_zeros():
     assert [launch.padded_channels(c) for c in (3, 16, 24, 32)] == [16, 16, 32, 32]
+    assert [launch.few_channels(c) for c in (3, 15, 16, 24)] == [True, True, False, False]
+    assert [launch.channel_slots(c) for c in (1, 3, 4, 5)] == [1, 4, 4, 8]
     x = torch.randn(2, 3, 5, dtype=torch.float16)
     padded = launch.with_padded_channels(x, 16)
     assert padded.shape == (2, 16, 5) and launch.boxable(padded)

@@ -2,7 +2,7 @@
 output against the float64 oracle on fresh random inputs, outputs NaN-poisoned before the
 kernels run, in float16 and bfloat16, at odd sizes (B = 1, 17, 129; Cout not a multiple of
 64; Nout = 1), with padding, bin collisions and all-padding nodes, and image stems (three
-input channels, padded); bit-identical weight
+input channels: the few-channel kernels); bit-identical weight
 gradients from run to run; the training path under autocast and deterministic algorithms.
 """
 
@@ -87,7 +87,7 @@ def test_every_output_against_float64_with_poisoned_outputs(name, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("batch", [1, 129])
-def test_an_image_stem_against_float64_through_padded_channels(batch, dtype):
+def test_an_image_stem_against_float64_on_the_few_channel_kernels(batch, dtype):
     geometry, plan, (x, w, b, gy) = make_case(batch, batch, 3, 64, dtype, nin=300, nout=120,
                                               k=25, v=49, collisions=True, padding=0.1)
     xg = x.to(DEVICE).requires_grad_()

@@ -2,7 +2,9 @@
 (knnconv.ops.triton.kernels), for Hopper and newer GPUs.
 
 It reads x and grad_y in channels-last storage, where a neighbour's rows for a batch tile are
-one box; operands in other storage are re-laid out once per call. Every output element is
+one box; operands in other storage are re-laid out once per call. Layers of fewer than 16
+input channels (image stems) run their forward and dW on the few-channel kernels
+(knnconv.ops.triton.stem_kernels), and their dx over channels zero-padded to 16. Every output element is
 written once and dW sums fixed partials, so the backward is deterministic and this backend
 serves under ``torch.use_deterministic_algorithms(True)``. Under Triton's interpreter
 (``TRITON_INTERPRET=1``) it also runs on CPU tensors, which is how the tests check it without a
@@ -19,7 +21,7 @@ from ...plan import GeometryPlan, KNNConvPlan, NeighbourhoodPlan
 from ..first_use import FirstUseChecks
 from ..registry import GradientsFirstOps, in_storage
 from .configs import MIN_BLOCK
-from .tables import TritonTables, build_tables
+from .tables import StemTables, TritonTables, build_stem_tables, build_tables
 
 try:  # Triton ships with torch's CUDA builds; a CPU-only install may lack it
     from . import launch
@@ -88,6 +90,12 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
             cin=launch.padded_channels(plan.cin), cout=plan.cout))
 
     @staticmethod
+    def stem_tables(plan: KNNConvPlan, device: torch.device) -> StemTables:
+        """The tables of the few-channel kernels (launch.few_channels)."""
+        return plan.derived(device, "triton.stem_tables", lambda t: build_stem_tables(
+            t.knn_indices, t.rf_index, nin=plan.nin, v=plan.v))
+
+    @staticmethod
     def _boxable(t: torch.Tensor) -> torch.Tensor:
         """t in storage the kernels box (see launch.boxable), copied only where it is not."""
         return t if launch.boxable(t) else in_storage(t.contiguous(), channels_last=True)
@@ -107,13 +115,21 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
         return weight
 
     def forward(self, plan, x, weight, bias):
-        cin = launch.padded_channels(plan.cin)
-        tile = launch.forward_tile(x.shape[0], cin, plan.cout, plan.nout)
-        key = ("forward", x.dtype, tile, x.device, bias is not None)
-        first = self._first_use(key)
-        y = launch.forward(self._kernel_input(plan, x), self._kernel_weight(plan, weight), bias,
-                           self.tables(plan, x.device), nout=plan.nout, v=plan.v, tile=tile,
-                           poison=first)
+        if launch.few_channels(plan.cin):
+            tile = launch.stem_forward_tile(plan.cout)
+            key = ("stem_forward", x.dtype, tile, x.device, bias is not None)
+            first = self._first_use(key)
+            y = launch.stem_forward(x, weight, bias, self.stem_tables(plan, x.device),
+                                    nin=plan.nin, nout=plan.nout, v=plan.v, tile=tile,
+                                    poison=first)
+        else:
+            cin = launch.padded_channels(plan.cin)
+            tile = launch.forward_tile(x.shape[0], cin, plan.cout, plan.nout)
+            key = ("forward", x.dtype, tile, x.device, bias is not None)
+            first = self._first_use(key)
+            y = launch.forward(self._kernel_input(plan, x), self._kernel_weight(plan, weight),
+                               bias, self.tables(plan, x.device), nout=plan.nout, v=plan.v,
+                               tile=tile, poison=first)
         if first:
             self._check(key, y, lambda *args: self._oracle.forward(plan, *args), x, weight, bias)
         return y
@@ -123,14 +139,19 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
         need_input, need_weight, need_bias = needs
         device, batch = grad_y.device, grad_y.shape[0]
         grad_dtypes = tuple(torch.float32 if d is None else d for d in dtypes)
-        tables = self.tables(plan, device)
         gy = self._boxable(grad_y)
+        # dx always on the gather-GEMM (a stem's over zero-padded channels); dW of a
+        # few-channel layer on its own kernels
         cin = launch.padded_channels(plan.cin)
+        few = launch.few_channels(plan.cin)
         keys, grads = {}, [None, None, None]
         if need_input:
             tile = launch.grad_input_tile(batch, cin, plan.cout, plan.nin)
             keys["input"] = ("grad_input", grad_y.dtype, tile, device, grad_dtypes[0])
-        if need_weight:
+        if need_weight and few:
+            tile_w = launch.stem_grad_weight_tile(plan.cout)
+            keys["weight"] = ("stem_grad_weight", grad_y.dtype, tile_w, device)
+        elif need_weight:
             tile_w = launch.grad_weight_tile(batch, cin, plan.cout)
             splits = launch.grad_weight_splits(
                 tile_w, batch=batch, cin=cin, cout=plan.cout, v=plan.v,
@@ -138,13 +159,19 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
             keys["weight"] = ("grad_weight", grad_y.dtype, tile_w, device, splits)
         first = {role for role, key in keys.items() if self._first_use(key)}
         if need_input:
-            grads[0] = launch.grad_input(gy, self._kernel_weight(plan, weight), tables,
-                                         nin=plan.nin, v=plan.v, tile=tile,
-                                         dtype=grad_dtypes[0], poison="input" in first)
+            grads[0] = launch.grad_input(gy, self._kernel_weight(plan, weight),
+                                         self.tables(plan, device), nin=plan.nin, v=plan.v,
+                                         tile=tile, dtype=grad_dtypes[0],
+                                         poison="input" in first)
             grads[0] = grads[0][:, :plan.cin]  # the padded channels' dx is dropped
-        if need_weight:
-            grads[1] = launch.grad_weight(gy, self._kernel_input(plan, x), tables, v=plan.v,
-                                          tile=tile_w, splits=splits, poison="weight" in first)
+        if need_weight and few:
+            grads[1] = launch.stem_grad_weight(gy, x, self.stem_tables(plan, device),
+                                               nin=plan.nin, v=plan.v, tile=tile_w,
+                                               poison="weight" in first)
+        elif need_weight:
+            grads[1] = launch.grad_weight(gy, self._kernel_input(plan, x),
+                                          self.tables(plan, device), v=plan.v, tile=tile_w,
+                                          splits=splits, poison="weight" in first)
             if cin != plan.cin:  # the padded channels' columns are the last ones
                 grads[1] = grads[1][:, :plan.cin * plan.v].contiguous()
         if need_bias:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-FAMILIES = ("forward", "grad_input", "grad_weight")
+FAMILIES = ("forward", "grad_input", "grad_weight", "stem_forward", "stem_grad_weight")
 CONDITIONS = ("max_batch", "min_batch", "min_n", "min_programs")
 MIN_BLOCK = 16  # the smallest dot extent Triton takes, and a 16-byte TMA box row of fp16
 MAX_BLOCK = 256  # the largest extent of a TMA box

@@ -19,7 +19,12 @@ from .kernels import (
     knn_conv_grad_input_kernel,
     knn_conv_grad_weight_kernel,
 )
-from .tables import TritonTables
+from .stem_kernels import (
+    knn_stem_cell_sum_kernel,
+    knn_stem_forward_kernel,
+    knn_stem_grad_weight_kernel,
+)
+from .tables import StemTables, TritonTables
 
 TMA_ALIGNMENT = 16  # bytes: a tensor map's base address and row strides
 # grad_weight splits each cell's steps (batch chunks x pairs) until the grid holds this many
@@ -37,6 +42,17 @@ def boxable(t: torch.Tensor) -> bool:
     return ((channels == 1 or t.stride(1) == 1) and (nodes == 1 or t.stride(2) == channels)
             and t.data_ptr() % TMA_ALIGNMENT == 0
             and (batch == 1 or t.stride(0) * element % TMA_ALIGNMENT == 0))
+
+
+def few_channels(cin: int) -> bool:
+    """Whether a layer of ``cin`` input channels runs the few-channel kernels
+    (knnconv.ops.triton.stem_kernels) in its forward and dW: fewer than a contraction chunk."""
+    return cin < MIN_BLOCK
+
+
+def channel_slots(cin: int) -> int:
+    """The contraction rows a neighbour takes in the few-channel kernels: a power of two."""
+    return 1 << (cin - 1).bit_length()
 
 
 def padded_channels(cin: int) -> int:
@@ -90,6 +106,16 @@ def grad_input_tile(batch: int, cin: int, cout: int, nin: int) -> TileConfig:
 @cache
 def grad_weight_tile(batch: int, cin: int, cout: int) -> TileConfig:
     return tile_config("grad_weight", batch=batch, n=cout, rows=cin)
+
+
+@cache
+def stem_forward_tile(cout: int) -> TileConfig:
+    return tile_config("stem_forward", batch=0, n=cout)
+
+
+@cache
+def stem_grad_weight_tile(cout: int) -> TileConfig:
+    return tile_config("stem_grad_weight", batch=0, n=cout)
 
 
 def grad_weight_splits(tile: TileConfig, *, batch: int, cin: int, cout: int, v: int,
@@ -168,3 +194,54 @@ def grad_weight(grad_y: torch.Tensor, x: torch.Tensor, tables: TritonTables, *, 
         BN=tile.block_n, BB=tile.block_k, num_warps=tile.warps, num_stages=tile.stages)
     # [splits, V, Cin, Cout] -> [Cout, Cin, V]: the re-layout and the sum are one pass
     return partial.permute(0, 3, 2, 1).sum(dim=0).view(cout, cin * v)
+
+
+def batch_innermost(x: torch.Tensor) -> torch.Tensor:
+    """x [B, C, N] as the few-channel kernels read it: xt [N, C, B], contiguous."""
+    return x.permute(2, 1, 0).contiguous()
+
+
+def stem_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 tables: StemTables, *, nin: int, nout: int, v: int, tile: TileConfig,
+                 poison: bool = False) -> torch.Tensor:
+    """The few-channel forward: y [B, Cout, Nout] in x's dtype, the view of a contiguous
+    [B, Nout, Cout] buffer; x [B, Cin, Nin] in any storage."""
+    batch, cin, _ = x.shape
+    cout = weight.shape[0]
+    slots = channel_slots(cin)
+    if tile.block_k < slots:
+        raise ValueError(f"stem_forward: block_k {tile.block_k} holds no neighbour's "
+                         f"{slots} channel slots")
+    cells = weight_by_cell(weight, cin, v, reverse=False)
+    y = _poisoned_or_empty((batch, nout, cout), x.dtype, x.device, poison)
+    grid = (nout, triton.cdiv(batch, tile.block_m), triton.cdiv(cout, tile.block_n))
+    knn_stem_forward_kernel[grid](
+        batch_innermost(x), cells, y, y if bias is None else bias, tables.neighbour,
+        tables.cell, batch, nin, nout, cin, cout, tables.neighbour.shape[1],
+        HAS_BIAS=bias is not None, SLOTS=slots, BM=tile.block_m, BN=tile.block_n,
+        BK=tile.block_k, num_warps=tile.warps, num_stages=tile.stages)
+    return y.transpose(1, 2)
+
+
+def stem_grad_weight(grad_y: torch.Tensor, x: torch.Tensor, tables: StemTables, *, nin: int,
+                     v: int, tile: TileConfig, poison: bool = False) -> torch.Tensor:
+    """The few-channel dW [Cout, Cin*V] in float32, deterministic: each output node's partial
+    over the whole batch is written once, then summed per kernel cell in a fixed order.
+    grad_y [B, Cout, Nout] must be :func:`boxable`; x [B, Cin, Nin] in any storage."""
+    batch, cin, _ = x.shape
+    cout, nout = grad_y.shape[1], grad_y.shape[2]
+    k = tables.neighbour.shape[1]
+    slots = channel_slots(cin)
+    partial_rows = triton.cdiv(k * slots, tile.block_m) * tile.block_m
+    partial = _poisoned_or_empty((nout, partial_rows, cout), torch.float32, x.device, poison)
+    grid = (nout, partial_rows // tile.block_m, triton.cdiv(cout, tile.block_n))
+    knn_stem_grad_weight_kernel[grid](
+        batch_innermost(x), rows_descriptor(grad_y, (tile.block_k, tile.block_n)), partial,
+        tables.neighbour, batch, nin, cin, cout, k, partial_rows, SLOTS=slots,
+        BM=tile.block_m, BN=tile.block_n, BB=tile.block_k, num_warps=tile.warps,
+        num_stages=tile.stages)
+    grad = _poisoned_or_empty((cout, cin * v), torch.float32, x.device, poison)
+    knn_stem_cell_sum_kernel[(v, triton.cdiv(cout, tile.block_n))](
+        partial, grad, tables.cell_start, tables.cell_slot, cin, cout, v, k, partial_rows,
+        SLOTS=slots, BC=slots, BN=tile.block_n, num_warps=4)
+    return grad

@@ -32,6 +32,18 @@ class TritonTables:
     cell_gy: torch.Tensor  # [entries]
 
 
+@dataclass
+class StemTables:
+    """The tables of the few-channel kernels (knnconv.ops.triton.stem_kernels): node n's K
+    slots are neighbour[n, :] (Nin for padding) and cell[n, :]; kernel cell v's real slots
+    are [cell_start[v], cell_start[v+1]) of cell_slot (n*K + k, in node order). All int32."""
+
+    neighbour: torch.Tensor  # [Nout, K]
+    cell: torch.Tensor  # [Nout, K]
+    cell_start: torch.Tensor  # [V + 1]
+    cell_slot: torch.Tensor  # [entries]
+
+
 def _starts(keys: torch.Tensor, groups: int) -> torch.Tensor:
     """CSR offsets [groups + 1] of sorted ``keys`` in [0, groups)."""
     starts = torch.zeros(groups + 1, dtype=torch.int64, device=keys.device)
@@ -61,3 +73,18 @@ def build_tables(knn_indices: torch.Tensor, rf_index: torch.Tensor, *, nin: int,
         pair_w=(cell[by_input] * cout).int().contiguous(),
         cell_start=_starts(cell, v), cell_x=(m[by_cell] * cin).int().contiguous(),
         cell_gy=(n[by_cell] * cout).int().contiguous())
+
+
+def build_stem_tables(knn_indices: torch.Tensor, rf_index: torch.Tensor, *, nin: int,
+                      v: int) -> StemTables:
+    """The few-channel kernels' tables of a layer (knn_indices [K, Nout], rf_index [Nout, K]),
+    on their device."""
+    neighbours = knn_indices.t().to(torch.int64)  # [Nout, K]
+    cells = rf_index.to(torch.int64)
+    real = (neighbours != nin).flatten()
+    slots = torch.arange(real.numel(), device=neighbours.device)[real]
+    cell = cells.flatten()[real]
+    return StemTables(
+        neighbour=neighbours.int().contiguous(), cell=cells.int().contiguous(),
+        cell_start=_starts(cell, v),
+        cell_slot=slots[torch.argsort(cell, stable=True)].int().contiguous())
