@@ -4,11 +4,11 @@
 It reads x and grad_y in channels-last storage, where a neighbour's rows for a batch tile are
 one box; operands in other storage are re-laid out once per call. Layers of fewer than 16
 input channels (image stems) run their forward and dW on the few-channel kernels
-(knnconv.ops.triton.stem_kernels), and their dx over channels zero-padded to 16. Every output element is
-written once and dW sums fixed partials, so the backward is deterministic and this backend
-serves under ``torch.use_deterministic_algorithms(True)``. Under Triton's interpreter
-(``TRITON_INTERPRET=1``) it also runs on CPU tensors, which is how the tests check it without a
-GPU.
+(knnconv.ops.triton.stem_kernels), and their dx over channels zero-padded to 16. Every
+output element is written once and dW sums fixed partials, so the backward is deterministic
+and this backend serves under ``torch.use_deterministic_algorithms(True)``. Under Triton's
+interpreter (``TRITON_INTERPRET=1``) it also runs on CPU tensors, which is how the tests check
+it without a GPU.
 """
 
 from __future__ import annotations
