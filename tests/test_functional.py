@@ -110,6 +110,29 @@ def test_autocast_bfloat16_on_cpu(rng, monkeypatch):
     assert rel_err(bias_leaf.grad, expected[2]) < 1e-6
 
 
+def test_the_backend_runs_with_autocast_off_and_autocast_is_back_after_it(rng, monkeypatch):
+    geometry = random_geometry(rng, nin=20, nout=9, k=5, v=6)
+    plan = geometry.plan(cin=3, cout=4)
+    x, weight, bias, _ = random_inputs(rng, plan, batch=2, dtype=torch.float32)
+    compact = get_ops("torch_compact")
+    seen = []
+
+    def failing_forward(plan, x, weight, bias):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        raise RuntimeError("backend failed")
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        knn_conv(x, weight, bias, plan, "torch_compact")
+        assert torch.is_autocast_enabled("cpu")
+        monkeypatch.setattr(compact, "forward", failing_forward)
+        with pytest.raises(RuntimeError, match="backend failed"):
+            knn_conv(x, weight, bias, plan, "torch_compact")
+        assert seen == [False]
+        assert torch.is_autocast_enabled("cpu")
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+    assert not torch.is_autocast_enabled("cpu")
+
+
 def test_autocast_leaves_float64_alone_as_torch_ops_do(rng):
     geometry = random_geometry(rng, nin=20, nout=9, k=5, v=6, padding=0.1)
     plan = geometry.plan(cin=3, cout=4)
