@@ -43,6 +43,16 @@ def test_tiny_alexnet_runs_every_path(tmp_path):
     assert result["breakdown"] == {"alexnet": {}}  # the GPU-time profile needs CUDA
 
 
+def test_the_paths_timed_are_an_option(tmp_path):
+    code = bench.main(["--fovi-model", "alexnet", "--paths", "accelerated", "--in-res", "8",
+                       "--batches", "2", "--repeats", "1", "--warmup", "0", "--device", "cpu",
+                       "--out", str(tmp_path), "--name", "smoke"])
+    assert code == 0
+    result = json.loads((tmp_path / "smoke_fovi_models.json").read_text())
+    assert [row["path"] for row in result["rows"]] == ["accelerated"]
+    assert result["settings"]["paths"] == ["accelerated"]
+
+
 @pytest.mark.parametrize(("kernel", "expected"), [
     ("void cudnn::batchnorm_bwtr_nhwc_semiPersist<__half, float>", "normalisation"),
     ("void cudnn::bn_fw_tr_1C11_kernel_NCHW<__half, float>", "normalisation"),

@@ -66,6 +66,10 @@ def add_fovi_arguments(parser: argparse.ArgumentParser) -> None:
                              "accelerated "
                              "under torch.compile, and a torchvision grid resnet18 of as many "
                              "pixels (batches default 128,512,2048 on a GPU, 2 on a CPU)")
+    parser.add_argument("--paths", type=comma_list(str, PATHS), default=list(PATHS),
+                        metavar="PATHS",
+                        help="with --fovi-model: the paths timed, comma-separated (default: "
+                             f"all of {', '.join(PATHS)}); fewer make a shorter run")
     parser.add_argument("--in-res", type=int_at_least(4), default=64,
                         help="with --fovi-model: the fovi sensor's in_res (default 64, the "
                              "published setting; smaller for a CPU smoke run)")
@@ -310,7 +314,7 @@ def model_rows(name: str, args: argparse.Namespace,
           f"{models.side}x{models.side}")
     modes = ("eager", "graph") if device.type == "cuda" else ("eager",)
     rows: list[dict[str, Any]] = []
-    for path in PATHS:
+    for path in args.paths:
         if path == "grid" and models.grid is None:
             print(f"  {path}: skipped, {models.grid_skip}")
             rows.append({"model": name, "path": path, "mode": None, "batch": None,
@@ -328,7 +332,7 @@ def model_rows(name: str, args: argparse.Namespace,
     if device.type != "cuda":
         print("  breakdown: skipped, the profile of GPU time needs CUDA")
     else:
-        for path in PATHS:
+        for path in args.paths:
             ran = [row["batch"] for row in rows if row["path"] == path and row["status"] == "ok"
                    and row["mode"] == "eager"]
             batches = args.profile_batches or ran
@@ -453,8 +457,8 @@ def run(args: argparse.Namespace, device: torch.device) -> int:
         json_path.write_text(json.dumps({
             "device": description, "torch": torch.__version__, "cuda": torch.version.cuda,
             "command": " ".join(sys.argv),
-            "settings": {"fovi_models": args.fovi_model, "in_res": args.in_res,
-                         "batches": args.batches, "warmup": args.warmup,
+            "settings": {"fovi_models": args.fovi_model, "paths": args.paths,
+                         "in_res": args.in_res, "batches": args.batches, "warmup": args.warmup,
                          "repeats": args.repeats,
                          "large_batch_repeats": (None if args.repeats_given
                                                  else LARGE_BATCH_REPEATS),
