@@ -113,10 +113,10 @@ BACKEND_LABELS = {"cuda": "`cuda`", "triton": "`triton`",
                   "auto/contiguous": "`auto`, x contiguous as fovi passes it"}
 
 
-# the triton backend zero-pads an image stem's three input channels to 16 (auto leaves those
-# layers to the cuda kernels)
-PADDED_NOTE = {"triton": ", stems on zero-padded channels",
-               "triton/contiguous": ", stems on zero-padded channels"}
+# the committed run timed the triton backend's image stems with their three input channels
+# zero-padded to 16 (auto leaves those layers to the cuda kernels)
+PADDED_NOTE = {"triton": ", stems timed on zero-padded channels",
+               "triton/contiguous": ", stems timed on zero-padded channels"}
 
 
 def per_layer() -> str:

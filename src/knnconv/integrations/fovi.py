@@ -201,8 +201,8 @@ class _DepthwiseRouter(_PlanRouter):
     kernel_name = "weight"
 
     def __init__(self, layer: nn.Module, backend: str) -> None:
+        self.multiplier = layer.out_channels // layer.in_channels  # _build_plan checks it
         super().__init__(layer, backend)
-        self.multiplier = layer.out_channels // layer.in_channels
         self.depthwise_backend = (backend if backend == "auto"
                                   or get_ops(backend).serves_neighbourhood else "auto")
 
@@ -210,7 +210,7 @@ class _DepthwiseRouter(_PlanRouter):
         layer = self.layer
         knn_indices, rf_index, nin, v = _knn_tables(layer)
         _check_shape(self.kernel_name, getattr(layer, self.kernel_name),
-                     (layer.in_channels, v, layer.out_channels // layer.in_channels))
+                     (layer.in_channels, v, self.multiplier))
         try:
             return NeighbourhoodPlan(knn_indices, nin=nin, rf_index=rf_index, v=v)
         except (TypeError, ValueError) as error:

@@ -90,7 +90,6 @@ def knn_stem_cell_sum_kernel(partial_ptr, grad_ptr, start_ptr, slot_ptr,
                              SLOTS: tl.constexpr, BC: tl.constexpr, BN: tl.constexpr):
     # dW[o, c*V + cell] = sum over the cell's (node, slot) entries, in table order, of
     # P_node[slot*SLOTS + c, o]: one program per (cell, column tile), every channel at once
-
     cell = tl.program_id(0)
     o0 = tl.program_id(1) * BN
     channels = tl.arange(0, BC)

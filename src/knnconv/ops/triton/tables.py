@@ -51,17 +51,21 @@ def _starts(keys: torch.Tensor, groups: int) -> torch.Tensor:
     return starts.int()
 
 
+def _node_major(knn_indices: torch.Tensor, rf_index: torch.Tensor,
+                nin: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The slots node by node: neighbours and cells [Nout, K] (int64), and which are real."""
+    neighbours = knn_indices.t().to(torch.int64)
+    return neighbours, rf_index.to(torch.int64), neighbours != nin
+
+
 def build_tables(knn_indices: torch.Tensor, rf_index: torch.Tensor, *, nin: int, v: int,
                  cin: int, cout: int) -> TritonTables:
     """The tables of a layer (knn_indices [K, Nout], rf_index [Nout, K]), on their device."""
-    neighbours = knn_indices.t().to(torch.int64)  # [Nout, K]
-    cells = rf_index.to(torch.int64)
+    neighbours, cells, real = _node_major(knn_indices, rf_index, nin)
     nout, _ = neighbours.shape
-    padding = neighbours == nin
-    real_first = torch.argsort(padding.to(torch.int8), dim=1, stable=True)
+    real_first = torch.argsort((~real).to(torch.int8), dim=1, stable=True)
     entry_x = torch.gather(neighbours, 1, real_first) * cin
     entry_w = torch.gather(cells, 1, real_first) * cin
-    real = ~padding
     nodes = torch.arange(nout, device=neighbours.device).unsqueeze(1).expand_as(neighbours)
     m, n, cell = neighbours[real], nodes[real], cells[real]  # node-major order
     by_input = torch.argsort(m, stable=True)
@@ -79,11 +83,9 @@ def build_stem_tables(knn_indices: torch.Tensor, rf_index: torch.Tensor, *, nin:
                       v: int) -> StemTables:
     """The few-channel kernels' tables of a layer (knn_indices [K, Nout], rf_index [Nout, K]),
     on their device."""
-    neighbours = knn_indices.t().to(torch.int64)  # [Nout, K]
-    cells = rf_index.to(torch.int64)
-    real = (neighbours != nin).flatten()
-    slots = torch.arange(real.numel(), device=neighbours.device)[real]
-    cell = cells.flatten()[real]
+    neighbours, cells, real = _node_major(knn_indices, rf_index, nin)
+    slots = torch.arange(real.numel(), device=real.device).view_as(real)[real]
+    cell = cells[real]
     return StemTables(
         neighbour=neighbours.int().contiguous(), cell=cells.int().contiguous(),
         cell_start=_starts(cell, v),
