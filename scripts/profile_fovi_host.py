@@ -1,9 +1,12 @@
-"""Where the host time of one eager training step of an accelerated fovi model goes: cProfile
+"""Where the host time of one training step of an accelerated fovi model goes: cProfile
 over a few steps at a small batch (GPU-light, so the step is host-bound), the top functions
-by own and by cumulative time, and the step's wall time next to fovi's own path and the grid
-ResNet-18's.
+by own and by cumulative time, and the step's wall time on every path of the fovi-model
+bench (fovi's own, accelerated, accelerated under torch.compile's default mode, the grid
+ResNet-18).
 
-    python scripts/profile_fovi_host.py [resnet18|alexnet] [BATCH]
+    python scripts/profile_fovi_host.py [resnet18|alexnet] [BATCH] [PROFILED_PATH]
+
+PROFILED_PATH: fovi, accelerated (the default), accelerated+compile or grid.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import time
 
 import torch
 
-from knnconv.tools.fovi_models import PathModels, training_step
+from knnconv.tools.fovi_models import PATHS, PathModels, training_step
 
 STEPS = 20
 
@@ -33,10 +36,13 @@ def wall_ms(step) -> float:
 def main() -> int:
     name = sys.argv[1] if len(sys.argv) > 1 else "resnet18"
     batch = int(sys.argv[2]) if len(sys.argv) > 2 else 16
+    profiled = sys.argv[3] if len(sys.argv) > 3 else "accelerated"
+    if profiled not in PATHS:
+        raise SystemExit(f"PROFILED_PATH must be one of {', '.join(PATHS)}, not {profiled!r}")
     device = torch.device("cuda")
     models = PathModels(name, 64, device)
     steps = {}
-    for path in ("fovi", "accelerated", "grid"):
+    for path in PATHS:
         module, forward = models.network(path)
         x, labels = models.inputs(path, batch, device)
         steps[path] = training_step(module, forward, x, labels, device, graph=False)
@@ -46,11 +52,12 @@ def main() -> int:
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(STEPS):
-        steps["accelerated"]()
+        steps[profiled]()
     torch.cuda.synchronize()
     profiler.disable()
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
+    print(f"profiled: {profiled}")
     stats.print_stats(35)
     stats.sort_stats("cumulative").print_stats(45)
     print(text.getvalue())

@@ -88,15 +88,20 @@ def test_replayed_auto_takes_the_triton_kernels_where_cells_have_pairs():
     assert not suits(plan, 1)  # eager again
 
 
-def test_auto_leaves_stems_whose_channels_triton_pads_to_the_cuda_kernels():
+def test_auto_leaves_stems_to_the_cuda_kernels_but_for_large_narrow_forwards():
     suits = dispatch.triton_suits
-    stem = random_geometry(torch.Generator().manual_seed(3), nin=60, nout=30, k=9).plan(
-        cin=3, cout=64)
+    generator = torch.Generator().manual_seed(3)
+    stem = random_geometry(generator, nin=60, nout=30, k=9).plan(cin=3, cout=64)
+    wide = random_geometry(generator, nin=60, nout=30, k=9).plan(cin=3, cout=96)
+    rows = -(-dispatch.FEW_CHANNEL_FORWARD_MIN_ROWS // stem.nout)
     with knnconv.context.using(graph_replay=True):
         assert not suits(stem, None)
-    assert not suits(stem, 2**20)
+    assert not suits(stem, 2**20)  # a training step: the padded input gradient is slower
+    # forward only: the few-channel kernel, from enough output rows, up to 64 channels
+    assert suits(stem, rows, backward=False) and not suits(stem, rows - 1, backward=False)
+    assert suits(stem, None, backward=False) and not suits(wide, 2**20, backward=False)
     torch.use_deterministic_algorithms(True)
-    try:  # deterministic: the padded kernels are the only native ones that serve it
+    try:  # deterministic: the triton kernels are the only native ones that serve it
         assert suits(stem, 1)
     finally:
         torch.use_deterministic_algorithms(False)

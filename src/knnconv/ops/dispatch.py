@@ -78,16 +78,23 @@ NATIVE_ORDER = ("triton", "cuda")
 # the faster one on the published layers from about 100 GFLOP of forward work up (2 * B *
 # real entries * Cin * Cout): below that an eager call keeps the cuda kernels.
 TRITON_MIN_FORWARD_FLOP = 100e9
+# A forward-only call (inference, no gradient) of a few-channel stem: the triton backend's
+# few-channel forward kernel took 0.38-0.75x the cuda backend's time on stems of at most 64
+# output channels from about 2**18 output rows (B * Nout) up (fovi ResNet-18 conv1 at B = 512
+# and 2048, the generated K = 49 stems at B = 128-2048); on wider stems (AlexNet's 96 channels,
+# the ViT patch embeddings' 192-1280) it took 0.74-1.73x, and a training step, whose input
+# gradient still runs the zero-padded gather-GEMM, 0.84-3.2x.
+FEW_CHANNEL_FORWARD_MAX_COUT = 64
+FEW_CHANNEL_FORWARD_MIN_ROWS = 2**18
 
 
-def triton_suits(plan: KNNConvPlan, batch) -> bool:
+def triton_suits(plan: KNNConvPlan, batch, backward: bool = True) -> bool:
     """Whether auto takes the triton backend for a convolution call it serves.
 
     - Under deterministic algorithms: always (the cuda backend's backward is refused there).
-    - Layers of input channels that are not a multiple of 16 (image stems): never
-      otherwise. Over zero-padded channels a three-channel stem's training step was
-      1.3-2.5x slower than the cuda backend's (fovi ResNet-18 conv1, B = 128-2048); the
-      few-channel forward and dW kernels that replace that path are not yet timed.
+    - Layers of input channels that are not a multiple of 16 (image stems): a forward-only
+      call of at most FEW_CHANNEL_FORWARD_MAX_COUT output channels and
+      FEW_CHANNEL_FORWARD_MIN_ROWS output rows (or a symbolic batch), never otherwise.
     - Steps replayed as graphs (torch.compile, a batch that is not a known int, or the
       graph_replay setting), where GPU time alone counts: where the layer has at least one
       neighbour slot (Nout x K) per kernel cell; the slot count, not the real pairs, so that
@@ -99,12 +106,13 @@ def triton_suits(plan: KNNConvPlan, batch) -> bool:
     (bench/results/h200.json, bench/NOTES.md 2026-12-03)"""
     if torch.are_deterministic_algorithms_enabled():
         return True
-    if plan.cin % TRITON_CHANNEL_CHUNK:
-        return False
     # Under torch.compile the batch may be a symbolic size that Dynamo passes off as an int;
     # comparing it would guard on data (and fail with a dynamic batch)
-    if (torch.compiler.is_compiling() or not isinstance(batch, int)
-            or context.settings().graph_replay):
+    symbolic = torch.compiler.is_compiling() or not isinstance(batch, int)
+    if plan.cin % TRITON_CHANNEL_CHUNK:
+        return (not backward and plan.cout <= FEW_CHANNEL_FORWARD_MAX_COUT
+                and (symbolic or batch * plan.nout >= FEW_CHANNEL_FORWARD_MIN_ROWS))
+    if symbolic or context.settings().graph_replay:
         return plan.nout * plan.k >= plan.v
     return 2 * batch * plan.entry_count * plan.cin * plan.cout >= TRITON_MIN_FORWARD_FLOP
 
@@ -116,7 +124,7 @@ def _native_choice(plan: GeometryPlan, device: torch.device, dtype: torch.dtype,
     cannot run on the device at all)."""
     for name in NATIVE_ORDER:
         if name == "triton" and not (isinstance(plan, KNNConvPlan)
-                                     and triton_suits(plan, batch)):
+                                     and triton_suits(plan, batch, backward)):
             continue
         if name in available_backends():
             ops = get_ops(name)

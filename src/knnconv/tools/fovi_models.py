@@ -115,9 +115,13 @@ def build_fovi(name: str, in_res: int, device: torch.device) -> torch.nn.Module:
 
 def build_convnextv2(sensor: dict) -> torch.nn.Module:
     """fovi's knnconvnextv2_femto (depths 2, 2, 6, 2; 48-384 channels, every count a multiple
-    of 16). fovi 2.4.0's ConvNeXtV2 passes SamplingCoords its device both by position and by
-    keyword, a TypeError on any machine: the constructor runs with that call's positional
-    device dropped (the keyword carries the same device)."""
+    of 16) with ``first_stride=2``. fovi 2.4.0's ConvNeXtV2 divides the sensor's radius by
+    ``first_stride`` at the stem and again at each of the three downsamplings, so its default
+    of 4 leaves the last stage no nodes (64 / 4**4 < 1: fovi raises "Out radii decreased to
+    less than 1"); at 2 the four stages have radii 32, 16, 8 and 4, halving between stages as
+    ConvNeXt's do. fovi 2.4.0's ConvNeXtV2 also passes SamplingCoords its device both by
+    position and by keyword, a TypeError on any machine: the constructor runs with that
+    call's positional device dropped (the keyword carries the same device)."""
     import fovi.models.knnconvnextv2 as module
     sampling_coords = module.SamplingCoords
 
@@ -127,7 +131,8 @@ def build_convnextv2(sensor: dict) -> torch.nn.Module:
     module.SamplingCoords = single_device
     try:
         return module.knnconvnextv2_femto(style="isotropic", num_classes=N_CLASSES,
-                                          auto_match_cart_resources=0, **sensor)
+                                          auto_match_cart_resources=0, first_stride=2,
+                                          **sensor)
     finally:
         module.SamplingCoords = sampling_coords
 
