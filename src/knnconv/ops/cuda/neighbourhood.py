@@ -29,6 +29,13 @@ MAX_TIED_NEIGHBOURS = torch.iinfo(TIES_DTYPE).max
 # memory (one float per cell).
 MAX_NATIVE_CELLS = 48 * 1024 // 4
 THREADS = 256
+# The batch elements one thread of the depthwise gathers sums (kDepthwiseRows in
+# knn_neighbourhood.cu), which sizes their grid; the kernels' grid-stride loop covers every
+# row whatever the grid.
+DEPTHWISE_ROWS = 4
+# knn_depthwise_grad_weight's nodes per block: a warp's worth, so that a warp reads one slot
+# of consecutive nodes.
+DEPTHWISE_GRAD_WEIGHT_NODES = 32
 
 
 @dataclass
@@ -173,10 +180,15 @@ def depthwise_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     k, nout = knn.shape
     y = torch.empty(batch, channels, nout, dtype=x.dtype, device=x.device)
     _run(neighbourhood_name("knn_depthwise_forward", x.dtype), x.device, nout,
-         batch * channels,
+         _depthwise_row_groups(batch, channels),
          (x.data_ptr(), weight.data_ptr(), data_pointer(bias), knn.data_ptr(), cells.data_ptr(),
-          y.data_ptr(), batch * channels, channels, nin, nout, k, weight.shape[1]))
+          y.data_ptr(), batch, channels, nin, nout, k, weight.shape[1]))
     return y
+
+
+def _depthwise_row_groups(batch: int, channels: int) -> int:
+    """The depthwise gathers' row groups: DEPTHWISE_ROWS batch elements of one channel each."""
+    return channels * -(-batch // DEPTHWISE_ROWS)
 
 
 def depthwise_grad_input(grad_y: torch.Tensor, weight: torch.Tensor, reverse: ReverseTables,
@@ -184,10 +196,10 @@ def depthwise_grad_input(grad_y: torch.Tensor, weight: torch.Tensor, reverse: Re
     batch, channels, nout = grad_y.shape
     dx = torch.empty(batch, channels, nin, dtype=grad_dtype, device=grad_y.device)
     _run(neighbourhood_name("knn_depthwise_grad_input", grad_y.dtype, grad_dtype),
-         grad_y.device, nin, batch * channels,
+         grad_y.device, nin, _depthwise_row_groups(batch, channels),
          (grad_y.data_ptr(), weight.data_ptr(), reverse.pair_start.data_ptr(),
           reverse.pair_node.data_ptr(), reverse.pair_cell.data_ptr(), dx.data_ptr(),
-          batch * channels, channels, nin, nout, weight.shape[1]))
+          batch, channels, nin, nout, weight.shape[1]))
     return dx
 
 
@@ -197,7 +209,7 @@ def depthwise_grad_weight(x: torch.Tensor, grad_y: torch.Tensor, knn: torch.Tens
     batch, channels, nin = x.shape
     k, nout = knn.shape
     dw = torch.zeros(channels, v, dtype=torch.float32, device=x.device)
-    nodes_per_block = max(1, THREADS // k)  # one thread per (node, slot)
+    nodes_per_block = DEPTHWISE_GRAD_WEIGHT_NODES  # a thread per (node, slot), a loop over them
     grid = (-(-nout // nodes_per_block), channels, 1)
     _run(neighbourhood_name("knn_depthwise_grad_weight", x.dtype), x.device, nout,
          batch * channels,

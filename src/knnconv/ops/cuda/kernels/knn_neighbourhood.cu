@@ -248,53 +248,89 @@ __global__ void knn_pool_backward_channels_last(
   }
 }
 
-// y[r, n] = bias[c] + sum over the real neighbours k of x[r, knn[k, n]] * w[c, cells[k, n]].
+// The depthwise gathers: each thread sums kDepthwiseRows batch elements of one channel, so
+// every table entry and weight it loads serves that many outputs (a thread per row loaded
+// both once per output). Row groups g = (batch group) * C + c are walked with a grid-stride
+// loop over gridDim.y; batch group b0 = (g / C) * kDepthwiseRows.
+constexpr int kDepthwiseRows = 4;
+
+// y[b, c, n] = bias[c] + sum over the real neighbours k of x[b, c, knn[k, n]] * w[c, cells[k, n]].
 template <typename T>
 __global__ void knn_depthwise_forward(const T* __restrict__ x, const T* __restrict__ w,
                                       const T* __restrict__ bias, const int* __restrict__ knn,
                                       const int* __restrict__ cells, T* __restrict__ y,
-                                      int rows, int channels, int nin, int nout, int k, int v) {
+                                      int batch, int channels, int nin, int nout, int k, int v) {
   const int n = blockIdx.x * blockDim.x + threadIdx.x;
   if (n >= nout) return;
-  for (int r = blockIdx.y; r < rows; r += gridDim.y) {
-    const int c = r % channels;
-    const T* row = x + static_cast<size_t>(r) * nin;
-    float total = bias == nullptr ? 0.0f : to_float(bias[c]);
+  const int groups = channels * ((batch + kDepthwiseRows - 1) / kDepthwiseRows);
+  const size_t x_stride = static_cast<size_t>(channels) * nin;
+  const size_t y_stride = static_cast<size_t>(channels) * nout;
+  for (int g = blockIdx.y; g < groups; g += gridDim.y) {
+    const int c = g % channels, b0 = (g / channels) * kDepthwiseRows;
+    const int rows = min(kDepthwiseRows, batch - b0);
+    const T* x_rows = x + (static_cast<size_t>(b0) * channels + c) * nin;
+    float total[kDepthwiseRows];
+    const float start = bias == nullptr ? 0.0f : to_float(bias[c]);
+#pragma unroll
+    for (int i = 0; i < kDepthwiseRows; ++i) total[i] = start;
     for (int s = 0; s < k; ++s) {
       const int m = knn[s * nout + n];
       if (m == nin) continue;
-      total += to_float(row[m]) * to_float(w[c * v + cells[s * nout + n]]);
+      const float weight = to_float(w[c * v + cells[s * nout + n]]);
+#pragma unroll
+      for (int i = 0; i < kDepthwiseRows; ++i) {
+        if (i < rows) total[i] += to_float(x_rows[i * x_stride + m]) * weight;
+      }
     }
-    y[static_cast<size_t>(r) * nout + n] = from_float<T>(total);
+    T* y_rows = y + (static_cast<size_t>(b0) * channels + c) * nout + n;
+#pragma unroll
+    for (int i = 0; i < kDepthwiseRows; ++i) {
+      if (i < rows) y_rows[i * y_stride] = from_float<T>(total[i]);
+    }
   }
 }
 
-// dx[r, m] = sum over the (node n, cell u) pairs reading m of gy[r, n] * w[c, u].
+// dx[b, c, m] = sum over the (node n, cell u) pairs reading m of gy[b, c, n] * w[c, u].
 template <typename T, typename TGrad>
 __global__ void knn_depthwise_grad_input(const T* __restrict__ gy, const T* __restrict__ w,
                                          const int* __restrict__ pair_start,
                                          const int* __restrict__ pair_node,
                                          const int* __restrict__ pair_cell,
-                                         TGrad* __restrict__ dx, int rows, int channels, int nin,
+                                         TGrad* __restrict__ dx, int batch, int channels, int nin,
                                          int nout, int v) {
   const int m = blockIdx.x * blockDim.x + threadIdx.x;
   if (m >= nin) return;
   const int first = pair_start[m], last = pair_start[m + 1];
-  for (int r = blockIdx.y; r < rows; r += gridDim.y) {
-    const int c = r % channels;
-    const size_t out_row = static_cast<size_t>(r) * nout;
-    float total = 0.0f;
+  const int groups = channels * ((batch + kDepthwiseRows - 1) / kDepthwiseRows);
+  const size_t gy_stride = static_cast<size_t>(channels) * nout;
+  const size_t dx_stride = static_cast<size_t>(channels) * nin;
+  for (int g = blockIdx.y; g < groups; g += gridDim.y) {
+    const int c = g % channels, b0 = (g / channels) * kDepthwiseRows;
+    const int rows = min(kDepthwiseRows, batch - b0);
+    const T* gy_rows = gy + (static_cast<size_t>(b0) * channels + c) * nout;
+    float total[kDepthwiseRows] = {};
     for (int j = first; j < last; ++j) {
-      total += to_float(gy[out_row + pair_node[j]]) * to_float(w[c * v + pair_cell[j]]);
+      const int n = pair_node[j];
+      const float weight = to_float(w[c * v + pair_cell[j]]);
+#pragma unroll
+      for (int i = 0; i < kDepthwiseRows; ++i) {
+        if (i < rows) total[i] += to_float(gy_rows[i * gy_stride + n]) * weight;
+      }
     }
-    dx[static_cast<size_t>(r) * nin + m] = from_float<TGrad>(total);
+    TGrad* dx_rows = dx + (static_cast<size_t>(b0) * channels + c) * nin + m;
+#pragma unroll
+    for (int i = 0; i < kDepthwiseRows; ++i) {
+      if (i < rows) dx_rows[i * dx_stride] = from_float<TGrad>(total[i]);
+    }
   }
 }
 
 // dw[c, u] += sum over the block's nodes n, their real slots k in cell u and every b of
 // x[b, c, knn[k, n]] * gy[b, c, n]: one thread per (node, slot) sums over the batch in a
 // register, then adds into a shared per-cell sum (V floats), and the block adds those with
-// one fp32 atomic per cell. Grid: (node chunks, channels); dw must be zeroed.
+// one fp32 atomic per cell. Nodes run fastest across threads: a warp reads one slot of
+// consecutive nodes, so its table, gy and (neighbouring nodes having nearby neighbours) x
+// loads coalesce. Grid: (node chunks, channels); dw must be zeroed.
 template <typename T>
 __global__ void knn_depthwise_grad_weight(const T* __restrict__ x, const T* __restrict__ gy,
                                           const int* __restrict__ knn,
@@ -310,12 +346,13 @@ __global__ void knn_depthwise_grad_weight(const T* __restrict__ x, const T* __re
   const size_t x_stride = static_cast<size_t>(channels) * nin;
   const size_t gy_stride = static_cast<size_t>(channels) * nout;
   for (int e = threadIdx.x; e < nodes * k; e += blockDim.x) {
-    const int n = first + e / k, s = e % k;
+    const int n = first + e % nodes, s = e / nodes;
     const int m = knn[s * nout + n];
     if (m == nin) continue;
     const T* x_at = x + static_cast<size_t>(c) * nin + m;
     const T* gy_at = gy + static_cast<size_t>(c) * nout + n;
     float total = 0.0f;
+#pragma unroll 4
     for (int b = 0; b < batch; ++b) {
       total += to_float(x_at[b * x_stride]) * to_float(gy_at[b * gy_stride]);
     }
