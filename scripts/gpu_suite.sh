@@ -64,12 +64,12 @@ stage models 240 sh -c "python3 -m knnconv bench --model alexnet --batches 32,12
 stage bench_bf16 60 python3 -m knnconv.tools.bench --geometry "$geometry" --out "$out" \
   --dtypes bfloat16 --backends cuda,triton --name h200_bf16 --repeats 10 --warmup 2
 rm -f "$out/h200_bf16.csv" "$out/h200_bf16.png"
-stage memcheck 40 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_kernels.py
+stage memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_kernels.py
 stage racecheck 150 compute-sanitizer --tool racecheck --error-exitcode 9 \
   python3 scripts/sanitize_kernels.py
-stage initcheck 40 compute-sanitizer --tool initcheck --error-exitcode 9 \
+stage initcheck 90 compute-sanitizer --tool initcheck --error-exitcode 9 \
   python3 scripts/sanitize_kernels.py
-stage synccheck 40 compute-sanitizer --tool synccheck --error-exitcode 9 \
+stage synccheck 90 compute-sanitizer --tool synccheck --error-exitcode 9 \
   python3 scripts/sanitize_kernels.py
 stage relayouts 60 python3 scripts/bench_relayouts.py "$out/logs/relayouts.json"
 # torch_binned against cuda apart, so its time cannot cut the main bench short
