@@ -248,3 +248,44 @@ def test_pooling_keeps_its_input_storage_on_every_path(rng):
         expected = knnconv.ops.registry.is_channels_last(x)
         assert knnconv.ops.registry.is_channels_last(y) == expected
         assert knnconv.ops.registry.is_channels_last(x.grad) == expected
+
+
+def test_batch_norm_opcheck(rng):
+    # x as the router hands it: [B, C, N, 1] in torch.channels_last; float32 and bfloat16 input
+    # (float32 parameters and statistics, as under autocast)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 6, 11, 1, generator=rng).to(dtype).contiguous(
+            memory_format=torch.channels_last)
+        weight, bias = torch.randn(6, generator=rng), torch.randn(6, generator=rng)
+        running_mean, running_var = torch.randn(6, generator=rng), torch.rand(6, generator=rng)
+        forward_args = (x, weight, bias, running_mean, running_var, 0.1, 1e-5)
+        torch.library.opcheck(torch.ops.knnconv.batch_norm_train.default, forward_args)
+        y, mean, invstd, reserve, _, _ = torch.ops.knnconv.batch_norm_train(*forward_args)
+        for needs in ((True, True, True), (True, False, False), (False, True, True)):
+            torch.library.opcheck(torch.ops.knnconv.batch_norm_train_backward.default,
+                                  (torch.randn_like(y), x, weight, mean, invstd, reserve, 1e-5,
+                                   *needs))
+
+
+def test_batch_norm_op_updates_no_input_and_matches_torch(rng):
+    x = torch.randn(4, 5, 9, 1, generator=rng, dtype=torch.float64).contiguous(
+        memory_format=torch.channels_last).requires_grad_()
+    weight = torch.randn(5, generator=rng, dtype=torch.float64).requires_grad_()
+    bias = torch.randn(5, generator=rng, dtype=torch.float64).requires_grad_()
+    running = [torch.randn(5, generator=rng, dtype=torch.float64),
+               torch.rand(5, generator=rng, dtype=torch.float64)]
+    before = [t.clone() for t in running]
+    y, _, _, _, mean, var = torch.ops.knnconv.batch_norm_train(x, weight, bias, *running, 0.3,
+                                                                1e-5)
+    assert all(torch.equal(t, b) for t, b in zip(running, before, strict=True))
+    expected_running = [t.clone() for t in before]
+    expected = torch.nn.functional.batch_norm(x, *expected_running, weight, bias, True, 0.3,
+                                              1e-5)
+    assert y.stride() == x.stride()
+    assert rel_err(y, expected) < 1e-12
+    assert rel_err(mean, expected_running[0]) < 1e-12 and rel_err(var, expected_running[1]) < 1e-12
+    grad_y = torch.randn(y.shape, generator=rng, dtype=torch.float64)
+    got = torch.autograd.grad(y, (x, weight, bias), grad_y)
+    want = torch.autograd.grad(expected, (x, weight, bias), grad_y)
+    for g, w in zip(got, want, strict=True):
+        assert rel_err(g, w) < 1e-12

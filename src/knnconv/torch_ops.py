@@ -6,6 +6,9 @@ Eager calls take the autograd Functions of knnconv.functional (cheaper per call)
 take these ops. Both run the same backend calls (knnconv.ops.execute's impls), so the two paths
 compute the same thing. A plan travels through the op schema as its handle, a string
 (GeometryPlan.handle).
+
+Also a training batch norm (the router of fovi's KNNBatchNorm calls it while compiling), so
+that inductor keeps the kernels an eager call takes instead of its own reductions.
 """
 
 from __future__ import annotations
@@ -254,3 +257,96 @@ def knn_depthwise_op(x, weight, bias, plan: GeometryPlan, backend: str,
     """The depthwise convolution through the custom ops (the traced path of
     functional.knn_depthwise_conv)."""
     return depthwise_forward_op(x, weight, bias, plan.handle, backend, dtype)
+
+
+# Batch norm in training, as the router of fovi's KNNBatchNorm runs it under torch.compile.
+# Inductor decomposes torch's batch norm into reductions of its own: in a compiled fovi
+# ResNet-18 step they took 2.0 ms at B = 512 and 7.2 ms at B = 2048 where the eager step's
+# cuDNN NHWC kernels took 0.72 and 2.4 (bench/NOTES.md, 2026-12-03). As an opaque op the
+# batch norm runs on the kernels an eager call takes (torch's _batch_norm_with_update and
+# batch_norm_backward: cuDNN on CUDA where it serves, torch's own kernels elsewhere). An op
+# with a registered backward may not mutate its inputs: it returns the updated running
+# statistics, which the caller copies into its buffers.
+@torch.library.custom_op("knnconv::batch_norm_train", mutates_args=())
+def batch_norm_train_op(x: torch.Tensor, weight: torch.Tensor | None,
+                        bias: torch.Tensor | None, running_mean: torch.Tensor,
+                        running_var: torch.Tensor, momentum: float, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                   torch.Tensor, torch.Tensor]:
+    """(y, save_mean, save_invstd, reserve, running_mean, running_var): the batch statistics'
+    normalisation of x, y in x's storage, and the running statistics updated by
+    ``momentum``."""
+    running_mean, running_var = running_mean.clone(), running_var.clone()
+    y, mean, invstd, reserve = torch.ops.aten._batch_norm_with_update(
+        x, weight, bias, running_mean, running_var, momentum, eps)
+    statistics = _statistics_dtype(x)
+    return (_in_storage_of(y, x), mean.to(statistics), invstd.to(statistics), reserve,
+            running_mean, running_var)
+
+
+@batch_norm_train_op.register_fake
+def _(x, weight, bias, running_mean, running_var, momentum, eps):
+    # the reserve's size is cuDNN's, asked of the library by torch's own shape function
+    _, _, _, reserve = torch.ops.aten._batch_norm_with_update(
+        x, weight, bias, running_mean.clone(), running_var.clone(), momentum, eps)
+    statistics = x.new_empty(x.shape[1], dtype=_statistics_dtype(x))
+    return (torch.empty_like(x), statistics, torch.empty_like(statistics), reserve,
+            torch.empty_like(running_mean), torch.empty_like(running_var))
+
+
+def _statistics_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of the saved batch statistics: float32, float64 for float64 input. (torch's
+    kernels save them so; its shape function says the input's dtype for bfloat16 on the CPU.)"""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+@torch.library.custom_op("knnconv::batch_norm_train_backward", mutates_args=())
+def batch_norm_train_backward_op(grad_y: torch.Tensor, x: torch.Tensor,
+                                 weight: torch.Tensor | None, save_mean: torch.Tensor,
+                                 save_invstd: torch.Tensor, reserve: torch.Tensor, eps: float,
+                                 need_x: bool, need_w: bool, need_b: bool
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_x in x's storage, grad_weight, grad_bias); empty where not needed."""
+    grads = torch.ops.aten.batch_norm_backward(
+        grad_y, x, weight, None, None, save_mean, save_invstd, True, eps,
+        [need_x, need_w, need_b], reserve)
+    return _batch_norm_grads(x, weight, grads, (need_x, need_w, need_b))
+
+
+@batch_norm_train_backward_op.register_fake
+def _(grad_y, x, weight, save_mean, save_invstd, reserve, eps, need_x, need_w, need_b):
+    grads = (torch.empty_like(x), None if weight is None else torch.empty_like(weight),
+             None if weight is None else torch.empty_like(weight))
+    return _batch_norm_grads(x, weight, grads, (need_x, need_w, need_b))
+
+
+def _in_storage_of(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """t with the strides of ``like`` (dense): itself where it has them, else a copy."""
+    return t if t.stride() == like.stride() else torch.empty_like(like).copy_(t)
+
+
+def _batch_norm_grads(x, weight, grads, needs) -> tuple[torch.Tensor, ...]:
+    grad_x, grad_w, grad_b = grads
+    return (_in_storage_of(grad_x, x) if needs[0] else x.new_empty(0),
+            grad_w if needs[1] and weight is not None else x.new_empty(0),
+            grad_b if needs[2] and weight is not None else x.new_empty(0))
+
+
+def _batch_norm_setup_context(ctx, inputs, output):
+    x, weight, _, _, _, _, eps = inputs
+    _, save_mean, save_invstd, reserve, _, _ = output
+    ctx.save_for_backward(x, weight, save_mean, save_invstd, reserve)
+    ctx.eps = eps
+
+
+def _batch_norm_backward(ctx, grad_y, *_statistics_and_reserve):
+    x, weight, save_mean, save_invstd, reserve = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    grad_x, grad_w, grad_b = batch_norm_train_backward_op(
+        grad_y, x, weight, save_mean, save_invstd, reserve, ctx.eps, need_x, need_w, need_b)
+    return (grad_x if need_x else None, grad_w if need_w else None,
+            grad_b if need_b else None, None, None, None, None)
+
+
+batch_norm_train_op.register_autograd(_batch_norm_backward,
+                                      setup_context=_batch_norm_setup_context)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import re
 import warnings
 
 import pytest
@@ -12,6 +13,8 @@ from torch import nn
 
 fovi_knn = pytest.importorskip("fovi.arch.knn")
 fovi_norm = pytest.importorskip("fovi.arch.norm")
+
+from torch._dynamo.testing import AotEagerAndRecordGraphs  # noqa: E402
 
 from conftest import rel_err  # noqa: E402
 from knnconv.integrations.fovi import (  # noqa: E402
@@ -407,6 +410,39 @@ def test_batch_norm_in_float32_and_under_bfloat16_autocast(dtype):
             tolerance = torch.finfo(torch.bfloat16).eps if bfloat16 else 1e-5
             assert rel_err(got_tensor, expected_tensor) < tolerance
         assert_same_state(layer, reference, 1e-5)
+
+
+@pytest.mark.parametrize("options", ["default", "no_affine", "large_eps", "no_running_stats"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_compiled_batch_norm_matches_eager_and_stays_one_op(options, training):
+    """Compiled, an affine training batch norm that tracks running statistics is knnconv's
+    opaque batch_norm_train (inductor would lower torch's into its own reductions); other
+    batch norms are torch's. Each matches BatchNorm1d's outputs, gradients and state."""
+    torch._dynamo.reset()  # every case compiles the router's same code: no recompile limit
+    layer = routed_batch_norm(knn_batch_norm(**BATCH_NORM_OPTIONS[options]).double())
+    reference = copy.deepcopy(layer).train(training)
+    layer.train(training)
+    recorder = AotEagerAndRecordGraphs()
+    compiled = torch.compile(layer, fullgraph=True, backend=recorder)
+    inductor = torch.compile(copy.deepcopy(layer), fullgraph=True, backend="inductor")
+    inductor_reference = copy.deepcopy(reference)
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        x = channels_last(torch.randn(BATCH, CHANNELS, NODES, dtype=torch.float64,
+                                      generator=generator))
+        grad_y = torch.randn(x.shape, dtype=torch.float64, generator=generator)
+        expected = batch_norm_step(reference, x, grad_y)
+        got = batch_norm_step(compiled, x, grad_y)
+        assert_close(got, expected)
+        assert is_stored_channels_last(got[0])
+        assert_same_state(layer, reference, TOLERANCE)
+        assert_close(batch_norm_step(inductor, x, grad_y),
+                     batch_norm_step(inductor_reference, x, grad_y))
+    graphs = "".join(graph.code for graph in recorder.fw_graphs + recorder.bw_graphs)
+    opaque = training and options in ("default", "large_eps")
+    assert ("knnconv.batch_norm_train.default" in graphs) == opaque
+    assert ("knnconv.batch_norm_train_backward.default" in graphs) == opaque
+    assert bool(re.search(r"aten\.\w*batch_norm", graphs)) == (not opaque)
 
 
 def test_batch_norm_gives_an_inplace_relu_no_view_to_rebuild():

@@ -80,6 +80,7 @@ from ..functional import knn_conv_with_backend, knn_depthwise_conv_with_backend
 from ..ops import get_ops
 from ..plan import KNNConvPlan, NeighbourhoodPlan, make_plan
 from ..pool import POOL_MODES, KNNPool
+from ..torch_ops import batch_norm_train_op
 
 try:
     from fovi.arch import knn as fovi_knn
@@ -403,6 +404,17 @@ class _BatchNormRouter(_Router):
         batch_statistics = layer.training or (layer.running_mean is None
                                               and layer.running_var is None)
         running = not layer.training or layer.track_running_stats
+        # compiled: a training batch norm of the usual kind (affine, tracking its running
+        # statistics) as one opaque op (knnconv.torch_ops.batch_norm_train_op)
+        if (torch.compiler.is_compiling() and layer.training and running
+                and layer.running_mean is not None and layer.weight is not None):
+            y, *_, running_mean, running_var = batch_norm_train_op(
+                x, layer.weight, layer.bias, layer.running_mean, layer.running_var, momentum,
+                layer.eps)
+            with torch.no_grad():
+                layer.running_mean.copy_(running_mean)
+                layer.running_var.copy_(running_var)
+            return y
         return F.batch_norm(x, layer.running_mean if running else None,
                             layer.running_var if running else None, layer.weight, layer.bias,
                             batch_statistics, momentum, layer.eps)
