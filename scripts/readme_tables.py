@@ -100,7 +100,7 @@ def whole_models() -> str:
               "(GPU time alone), the accelerated foveated ResNet-18 costs "
               f"{against_grid(2048)} the grid network of the same pixels at B = 2048 and "
               f"{against_grid(512)} at B = 512; its peak memory is {memory('resnet18')} fovi's, "
-              f"AlexNet's {memory('alexnet')}. Where the accelerated ResNet-18's GPU time goes "
+              f"AlexNet's {memory('alexnet')}, ResNet-50's {memory('resnet50')}. Where the accelerated ResNet-18's GPU time goes "
               f"at B = {batch} (torch.profiler): {spent}; AlexNet's is "
               f"{alexnet['knn_conv']:.0f} of {sum(alexnet.values()):.0f} ms in its KNN "
               "convolutions (the JSON lists the heaviest kernels by name)."]

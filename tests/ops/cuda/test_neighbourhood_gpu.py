@@ -320,6 +320,19 @@ def test_max_pool_counts_ties_up_to_their_dtype_and_refuses_wider_windows(storag
 @pytest.mark.parametrize("collisions", [False, True])
 @pytest.mark.parametrize("nout", NODES)
 def test_depthwise_matches_float64(dtype, batch, channels, collisions, nout):
+    check_depthwise_against_float64(dtype, batch, channels, collisions, nout)
+
+
+@pytest.mark.parametrize("batch,channels", SIZES)
+def test_depthwise_walks_more_row_groups_than_the_grid_has(batch, channels, monkeypatch):
+    # each thread sums four batch elements of a channel; a grid of two CTA layers makes every
+    # layer walk several such row groups (and the batch's last, partial group) by its stride
+    monkeypatch.setattr(neighbourhood, "MAX_GRID_YZ", 2)
+    check_depthwise_against_float64(torch.float16, batch, channels, True, NODES[0])
+
+
+def check_depthwise_against_float64(dtype, batch, channels, collisions, nout):
+    """KNNDepthwiseConv on the cuda kernels against torch ops in float64: y, dx, dW, d bias."""
     generator = torch.Generator().manual_seed(batch + channels)
     geometry, knn = table_with_all_padding_node(
         batch + 3 * channels, nin=60, nout=nout, k=7, v=9, padding=0.2, collisions=collisions)
