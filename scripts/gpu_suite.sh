@@ -83,7 +83,8 @@ stage neighbourhood 120 python3 scripts/bench_neighbourhood.py "$out/logs/neighb
 stage demo 60 python3 -m knnconv demo --out "$out/demo.png"
 # fovi's own ResNet-18 and AlexNet, and its ResNet-50, depthwise-separable ResNet-18 and
 # ConvNeXtV2 on the same sensor: one training step as fovi runs it, accelerated, compiled, and
-# a grid ResNet-18 of as many pixels, eager and as CUDA graphs, with a GPU-time breakdown
+# a grid ResNet-18 of as many pixels (also compiled), eager and as CUDA graphs, with a GPU-time
+# breakdown
 stage fovi_models 600 python3 -m knnconv bench \
   --fovi-model resnet18,alexnet,resnet50,resnet18_dwsep,convnextv2 --batches 512,2048 \
   --out "$out/logs"

@@ -35,11 +35,12 @@ def test_tiny_alexnet_runs_every_path(tmp_path):
         assert (row["status"], row["mode"], row["batch"]) == ("ok", "eager", 2), row
         assert row["median_ms"] > 0 and row["peak_mib"] is None
     assert result["settings"]["sizes"]["alexnet"]["sensor_samples"] > 0
-    if importlib.util.find_spec("torchvision") is None:
-        assert rows["grid"]["status"] == "skipped"
-        assert "torchvision" in rows["grid"]["error"]
-    else:
-        assert rows["grid"]["status"] == "ok"
+    for path in ("grid", "grid+compile"):  # torchvision's ResNet-18, eager and compiled
+        if importlib.util.find_spec("torchvision") is None:
+            assert rows[path]["status"] == "skipped"
+            assert "torchvision" in rows[path]["error"]
+        else:
+            assert rows[path]["status"] == "ok"
     assert result["breakdown"] == {"alexnet": {}}  # the GPU-time profile needs CUDA
 
 

@@ -38,7 +38,7 @@ else:
     FOVI_MISSING = None
 
 FOVI_MODELS = ("resnet18", "alexnet", "resnet50", "resnet18_dwsep", "convnextv2")
-PATHS = ("fovi", "accelerated", "accelerated+compile", "grid")
+PATHS = ("fovi", "accelerated", "accelerated+compile", "grid", "grid+compile")
 N_CLASSES = 1000  # both fovi models and torchvision's resnet18 offer an ImageNet head
 DEFAULTS = {
     "cuda": {"batches": [128, 512, 2048], "warmup": 3, "repeats": 15},
@@ -65,7 +65,8 @@ def add_fovi_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{', '.join(FOVI_MODELS)}): as fovi runs them, accelerated, "
                              "accelerated "
                              "under torch.compile, and a torchvision grid resnet18 of as many "
-                             "pixels (batches default 128,512,2048 on a GPU, 2 on a CPU)")
+                             "pixels, also under torch.compile (batches default 128,512,2048 "
+                             "on a GPU, 2 on a CPU)")
     parser.add_argument("--paths", type=comma_list(str, PATHS), default=list(PATHS),
                         metavar="PATHS",
                         help="with --fovi-model: the paths timed, comma-separated (default: "
@@ -174,6 +175,29 @@ def training_step(model: torch.nn.Module, forward: Callable, x: torch.Tensor,
     return step
 
 
+GRID_PATHS = ("grid", "grid+compile")
+# torchvision's ResNet-18 per device, and its torch.compile'd forward: one for every fovi model
+# of a run (they share the sensor, so the grid's pixels), compiled once
+_grid_networks: dict[torch.device, tuple] = {}
+
+
+def grid_networks(device: torch.device) -> tuple[torch.nn.Module | None, Callable | None,
+                                                  str | None]:
+    """(the grid ResNet-18, its compiled forward, None), or (None, None, why not)."""
+    if device not in _grid_networks:
+        try:
+            import torchvision
+        except ImportError as error:
+            _grid_networks[device] = (None, None,
+                                      f"torchvision is not importable ({error})")
+        else:
+            torch.manual_seed(0)
+            grid = torchvision.models.resnet18(num_classes=N_CLASSES).to(
+                device, memory_format=torch.channels_last)
+            _grid_networks[device] = (grid, torch.compile(grid), None)
+    return _grid_networks[device]
+
+
 class PathModels:
     """The networks of one model name, built once and shared across batches and modes."""
 
@@ -183,27 +207,20 @@ class PathModels:
         self.compiled = torch.compile(self.accelerated)
         self.samples = sensor_samples(self.fovi)
         self.side = round(math.sqrt(self.samples))
-        self.grid, self.grid_skip = None, None
-        try:
-            import torchvision
-        except ImportError as error:
-            self.grid_skip = f"torchvision is not importable ({error})"
-        else:
-            torch.manual_seed(0)
-            self.grid = torchvision.models.resnet18(num_classes=N_CLASSES).to(
-                device, memory_format=torch.channels_last)
+        self.grid, self.grid_compiled, self.grid_skip = grid_networks(device)
 
     def network(self, path: str) -> tuple[torch.nn.Module, Callable]:
         """The module whose parameters train, and the callable its forward runs through."""
         return {"fovi": (self.fovi, self.fovi),
                 "accelerated": (self.accelerated, self.accelerated),
                 "accelerated+compile": (self.accelerated, self.compiled),
-                "grid": (self.grid, self.grid)}[path]
+                "grid": (self.grid, self.grid),
+                "grid+compile": (self.grid, self.grid_compiled)}[path]
 
     def inputs(self, path: str, batch: int,
                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         generator = torch.Generator(device=device).manual_seed(0)
-        if path == "grid":
+        if path in GRID_PATHS:
             x = torch.randn(batch, 3, self.side, self.side, generator=generator, device=device)
             x = x.contiguous(memory_format=torch.channels_last)
         else:
@@ -320,7 +337,7 @@ def model_rows(name: str, args: argparse.Namespace,
     modes = ("eager", "graph") if device.type == "cuda" else ("eager",)
     rows: list[dict[str, Any]] = []
     for path in args.paths:
-        if path == "grid" and models.grid is None:
+        if path in GRID_PATHS and models.grid is None:
             print(f"  {path}: skipped, {models.grid_skip}")
             rows.append({"model": name, "path": path, "mode": None, "batch": None,
                          "status": "skipped", "median_ms": None, "peak_mib": None,
@@ -356,7 +373,7 @@ def speedup_lines(rows: list[dict[str, Any]]) -> list[str]:
     """The table: each accelerated path's ms and its speedup over fovi and over the grid."""
     times = _lookup(rows)
     lines = [f"{'model':9} {'mode':5} {'batch':>5} {'fovi ms':>9} {'grid ms':>9} "
-             f"{'path':20} {'ms':>9} {'vs fovi':>8} {'vs grid':>8}"]
+             f"{'path':20} {'ms':>9} {'vs fovi':>8} {'vs grid':>8} {'vs grid+compile':>16}"]
 
     def cell(value: float | None, spec: str) -> str:
         return "-" if value is None else format(value, spec)
@@ -365,13 +382,15 @@ def speedup_lines(rows: list[dict[str, Any]]) -> list[str]:
     for model, mode, batch in keys:
         fovi = times.get((model, "fovi", mode, batch))
         grid = times.get((model, "grid", mode, batch))
+        grid_compiled = times.get((model, "grid+compile", mode, batch))
         for path in ("accelerated", "accelerated+compile"):
             ms = times.get((model, path, mode, batch))
             lines.append(
                 f"{model:9} {mode:5} {batch:>5} {cell(fovi, '.2f'):>9} {cell(grid, '.2f'):>9} "
                 f"{path:20} {cell(ms, '.2f'):>9} "
                 f"{cell(fovi / ms if fovi and ms else None, '.2f'):>8} "
-                f"{cell(grid / ms if grid and ms else None, '.2f'):>8}")
+                f"{cell(grid / ms if grid and ms else None, '.2f'):>8} "
+                f"{cell(grid_compiled / ms if grid_compiled and ms else None, '.2f'):>16}")
     return lines
 
 
