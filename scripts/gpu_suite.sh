@@ -13,7 +13,8 @@
 # at most eight files there (what a device run brings back); every stage's log, the main bench's
 # h200.csv (the rows of h200.json), and the example networks' (h200_alexnet.json,
 # h200_resnet18.json), neighbourhood, re-layout, torch_binned (h200_binned.*), host-path
-# (host.json), fovi whole-model (h200_fovi_models.*) and fovi-kernel benchmarks' JSON/PNG
+# (host.json), fovi whole-model (h200_fovi_models.*, the depthwise families'
+# h200_families_fovi_models.*) and fovi-kernel benchmarks' JSON/PNG
 # and the gather tuner's (tune_gather.json), in OUTDIR/logs.tar.gz (the fovi_kernels and
 # convergence stages need fovi, from WHEEL_DIR); each stage's exit status and time are
 # summarised in OUTDIR/summary.txt.
@@ -53,7 +54,7 @@ fi
 stage magnitudes 120 python3 scripts/gradient_magnitudes.py --device cuda \
   --out "$out/logs/gpu_gradient_magnitudes.json"
 stage bench 400 python3 -m knnconv.tools.bench --geometry "$geometry" --stems --out "$out" \
-  --dtypes float16 --backends reference,torch_compact,cuda,triton,auto --check --repeats 30 --warmup 3
+  --dtypes float16 --backends cuda,triton,auto --check --repeats 30 --warmup 3
 mv -f "$out/h200.csv" "$out/logs/" 2>/dev/null
 stage networks 60 python3 -m knnconv.tools.bench_networks --geometry "$geometry" --out "$out"
 # the example networks' training steps, eager and under torch.compile(mode="reduce-overhead")
@@ -85,9 +86,10 @@ stage demo 60 python3 -m knnconv demo --out "$out/demo.png"
 # ConvNeXtV2 on the same sensor: one training step as fovi runs it, accelerated, compiled, and
 # a grid ResNet-18 of as many pixels (also compiled), eager and as CUDA graphs, with a GPU-time
 # breakdown
-stage fovi_models 600 python3 -m knnconv bench \
-  --fovi-model resnet18,alexnet,resnet50,resnet18_dwsep,convnextv2 --batches 512,2048 \
-  --out "$out/logs"
+stage fovi_models 480 python3 -m knnconv bench --fovi-model resnet18,alexnet,resnet50 \
+  --batches 512,2048 --out "$out/logs"
+stage fovi_families 480 python3 -m knnconv bench --fovi-model resnet18_dwsep,convnextv2 \
+  --batches 512,2048 --out "$out/logs" --name h200_families
 # fovi's models under DistributedDataParallel at every world size the machine has
 stage ddp 600 python3 scripts/ddp_scaling.py "$out/logs/ddp"
 # a fovi KNNAlexNet trained through fovi's own layers and through knnconv, two seeds each
