@@ -259,6 +259,34 @@ def test_compiled_steps_are_opt_in():
     assert parser.parse_args(["--modes", "train_compiled"]).modes == ["train_compiled"]
 
 
+def test_the_no_dx_modes_train_without_the_input_gradient(tmp_path, monkeypatch):
+    needs_seen = []
+    ops = knnconv.get_ops("torch_compact")
+    gradients = ops.gradients
+    monkeypatch.setattr(ops, "gradients", lambda plan, grad_y, x, w, needs, *args, **kwargs: (
+        needs_seen.append(tuple(needs)), gradients(plan, grad_y, x, w, needs, *args, **kwargs))[1])
+    write_geometry_set(tmp_path)
+    rc = bench.main(["--geometry", str(tmp_path), "--layers", "block", *QUICK,
+                     "--backends", "torch_compact", "--modes", "train,train_no_dx",
+                     "--out", str(tmp_path), "--name", "no_dx"])
+    assert rc == 0
+    rows = {r["mode"]: r for r in read_rows(tmp_path, "no_dx")}
+    assert set(rows) == {"train", "train_no_dx"}
+    assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in rows.values())
+    # every step asks for dW and the bias gradient; only the train steps ask for dx
+    assert {needs[1:] for needs in needs_seen} == {(True, True)}
+    assert {needs[0] for needs in needs_seen} == {True, False}
+    # the floor counts no grad-input pass
+    plan = random_geometry(torch.Generator().manual_seed(0), nin=30, nout=20, k=5).plan(
+        cin=16, cout=16)
+    floors = {mode: bench.mode_floor_ms(plan, 64, mode, FOVI_TABLE_CEILINGS)
+              for mode in ("forward", "train", "train_graph", "train_no_dx", "train_graph_no_dx")}
+    assert floors["train"] == floors["train_graph"] == pytest.approx(
+        bench.TRAIN_FLOOR_FACTOR * floors["forward"])
+    assert floors["train_no_dx"] == floors["train_graph_no_dx"] == pytest.approx(
+        (bench.TRAIN_FLOOR_FACTOR - 1) * floors["forward"])
+
+
 @pytest.mark.gpu
 def test_on_the_gpu_graph_modes_time_the_native_backends_and_compiled_cuda(tmp_path):
     if not torch.cuda.is_available():
@@ -272,13 +300,14 @@ def test_on_the_gpu_graph_modes_time_the_native_backends_and_compiled_cuda(tmp_p
          "reference_train_ms": 3.0}]))
     rc = bench.main(["--geometry", str(tmp_path), "--layers", "block", *QUICK,
                      "--backends", "torch_compact,cuda,auto", "--fovi-times", str(fovi_times),
-                     "--modes", "train,train_graph,train_compiled", "--out", str(tmp_path),
-                     "--name", "gpu"])
+                     "--modes", "train,train_graph,train_compiled,train_graph_no_dx",
+                     "--out", str(tmp_path), "--name", "gpu"])
     assert rc == 0
     rows = {(r["backend"], r["mode"]): r for r in read_rows(tmp_path, "gpu")}
     # graph replays run the native backends (auto's choice among them), compiled cells cuda
     assert set(rows) == {("torch_compact", "train"), ("cuda", "train"), ("cuda", "train_graph"),
-                         ("cuda", "train_compiled"), ("auto", "train"), ("auto", "train_graph")}
+                         ("cuda", "train_compiled"), ("auto", "train"), ("auto", "train_graph"),
+                         ("cuda", "train_graph_no_dx"), ("auto", "train_graph_no_dx")}
     assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in rows.values())
     assert rows[("cuda", "train_compiled")]["fovi_ms"] == 1.5
     assert rows[("cuda", "train_graph")]["fovi_ms"] is None

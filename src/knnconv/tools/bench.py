@@ -45,15 +45,20 @@ from . import fovi_ddp, fovi_models
 from .options import comma_list, default_name, int_at_least
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-MODES = ("forward", "train", "train_graph", "train_compiled")
+MODES = ("forward", "train", "train_graph", "train_compiled", "train_no_dx",
+         "train_graph_no_dx")
 # train_graph: the training step captured once as a CUDA graph and replayed, i.e. the GPU
 # time without the host path. train_compiled: the training step of the layer under
 # torch.compile(mode="reduce-overhead"), which replays its forward and its backward as CUDA
 # graphs (PyTorch's CUDA-graph trees): what a user who compiles gets, host path included.
 # Both: CUDA devices only; train_graph for the native backends (cuda, triton and auto's
 # choice of them), train_compiled for cuda and opt-in (each cell compiles).
-GRAPH_MODES = ("train_graph", "train_compiled")
-GRAPHED_BACKENDS = {"train_graph": ("cuda", "triton", "auto"), "train_compiled": ("cuda",)}
+# train_no_dx, train_graph_no_dx (opt-in): train and train_graph with an input that needs no
+# gradient, the image layer's step as a network trains it.
+GRAPH_MODES = ("train_graph", "train_compiled", "train_graph_no_dx")
+GRAPHED_BACKENDS = {"train_graph": ("cuda", "triton", "auto"), "train_compiled": ("cuda",),
+                    "train_graph_no_dx": ("cuda", "triton", "auto")}
+NO_DX_MODES = ("train_no_dx", "train_graph_no_dx")
 DEFAULT_MODES = ("forward", "train", "train_graph")
 # The fovi figure a mode's time compares with: a compiled step is what a user who compiles
 # runs instead of fovi's eager step; a graph replay (GPU time only) compares with none.
@@ -301,6 +306,14 @@ def train_floor_ms(plan, batch: int, ceilings: dict[str, Any], *,
     return forward * (TRAIN_FLOOR_FACTOR if grad_input else TRAIN_FLOOR_FACTOR - 1)
 
 
+def mode_floor_ms(plan, batch: int, mode: str, ceilings: dict[str, Any]) -> float | None:
+    """The floor of a mode's cell: the forward's, or the training step's (without its
+    grad-input pass in the no-dx modes)."""
+    if mode == "forward":
+        return forward_floor_ms(plan, batch, ceilings)
+    return train_floor_ms(plan, batch, ceilings, grad_input=mode not in NO_DX_MODES)
+
+
 def reads_image(in_channels: int) -> bool:
     """Whether a network layer is its first, reading the RGB image: nothing needs that
     input's gradient, so its training step computes none."""
@@ -413,16 +426,18 @@ class Benchmark:
         """(median ms, backend that ran, forward rel_err against ``reference`` or None)."""
         x, weight, bias = inputs.x, inputs.weight, inputs.bias
         timing = {"warmup": self.args.warmup, "repeats": self.args.repeats}
+        trained_x = x.detach() if mode in NO_DX_MODES else x
+
         def train_step() -> str:
-            y, ran = knn_conv_with_backend(x, weight, bias, plan, backend)
+            y, ran = knn_conv_with_backend(trained_x, weight, bias, plan, backend)
             y.backward(inputs.grad_y)
             return ran
 
-        if mode == "train":
+        if mode in ("train", "train_no_dx"):
             median_ms, ran = time_calls(train_step, self.device, reset=inputs.clear_grads,
                                         **timing)
             return median_ms, ran, None
-        if mode == "train_graph":  # auto chooses as for replays (the graph_replay setting)
+        if mode in ("train_graph", "train_graph_no_dx"):  # auto chooses as for replays
             with context.using(graph_replay=True):
                 return (*graph_replay_ms(train_step, self.device, reset=inputs.clear_grads,
                                          **timing), None)
@@ -445,8 +460,7 @@ class Benchmark:
                 mode: str, status: str, *, median_ms: float | None = None,
                 backend_ran: str | None = None, rel_err: float | None = None,
                 note: str | None = None) -> None:
-        floor_ms = (forward_floor_ms(plan, batch, self.ceilings) if mode == "forward"
-                    else train_floor_ms(plan, batch, self.ceilings))
+        floor_ms = mode_floor_ms(plan, batch, mode, self.ceilings)
         fovi_ms = (self.fovi_times.get((name, batch, FOVI_MODE.get(mode)))
                      if dtype_name == FOVI_DTYPE else None)
         measured = median_ms is not None
@@ -679,9 +693,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", type=comma_list(str, MODES), default=list(DEFAULT_MODES),
                         help="comma-separated: forward, train, train_graph (the training "
                              "step replayed as a CUDA graph), train_compiled (the training "
-                             "step under torch.compile(mode='reduce-overhead')); the last two "
-                             "on a GPU only, train_graph for cuda, triton and auto, "
-                             "train_compiled for cuda (default: all but train_compiled)")
+                             "step under torch.compile(mode='reduce-overhead')), "
+                             "train_no_dx and train_graph_no_dx (train and train_graph "
+                             "without the input's gradient, as a network trains its image "
+                             "layer); the graph and compiled modes on a GPU only, "
+                             "train_compiled for cuda, the others for cuda, triton and auto "
+                             "(default: forward, train, train_graph)")
     parser.add_argument("--warmup", type=int_at_least(0),
                         help="untimed calls per cell (default 3 on a GPU, 1 on a CPU)")
     parser.add_argument("--repeats", type=int_at_least(1),

@@ -408,37 +408,51 @@ def breakdown_lines(breakdowns: dict[str, dict[str, list[dict[str, Any]]]]) -> l
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
-    """Bars of step time per path and mode, grouped by batch, one subplot per model."""
+    """Bars of step time per path and mode, grouped by batch, one subplot per model; one
+    colour per path and mode in every subplot, their legend below the subplots."""
     try:
         import matplotlib
     except ImportError:
         return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     ok = [row for row in rows if row["status"] == "ok"]
     names = list(dict.fromkeys(row["model"] for row in rows))
-    figure, axes = plt.subplots(1, len(names), figsize=(7 * len(names), 4.5), squeeze=False)
+    series = list(dict.fromkeys((row["path"], row["mode"]) for row in ok))
+    colours = {key: f"C{index % 10}" for index, key in enumerate(series)}
+    figure, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.8), squeeze=False)
     for axis, name in zip(axes[0], names, strict=True):
         mine = [row for row in ok if row["model"] == name]
         batches = sorted({row["batch"] for row in mine})
-        series = list(dict.fromkeys((row["path"], row["mode"]) for row in mine))
-        width = 0.8 / max(1, len(series))
-        for index, (path_name, mode) in enumerate(series):
+        shown = [key for key in series if any((row["path"], row["mode"]) == key
+                                              for row in mine)]
+        width = 0.8 / max(1, len(shown))
+        for index, (path_name, mode) in enumerate(shown):
             heights = [next((row["median_ms"] for row in mine if row["path"] == path_name
                              and row["mode"] == mode and row["batch"] == batch), 0.0)
                        for batch in batches]
             axis.bar([b + index * width for b in range(len(batches))], heights, width,
-                     label=f"{path_name} {mode}")
+                     color=colours[(path_name, mode)])
         axis.set_xticks([b + 0.4 - width / 2 for b in range(len(batches))],
                         [f"B={batch}" for batch in batches])
         axis.set_ylabel("training step (ms)")
-        axis.set_title(name)
-        if any(row["median_ms"] for row in mine):
+        fovi_failed = any(row["model"] == name and row["path"] == "fovi"
+                          and row["status"] == "error" for row in rows)
+        axis.set_title(name + (" (fovi 2.4.0's own path raises)" if fovi_failed else ""))
+        if mine:
             axis.set_yscale("log")
-        axis.legend(fontsize="small")
+            # 1-2-5 ticks: a panel spanning less than a decade still reads off its values
+            axis.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            axis.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+            axis.yaxis.set_minor_formatter(NullFormatter())
+    if series:
+        handles = [plt.Rectangle((0, 0), 1, 1, color=colours[key]) for key in series]
+        figure.legend(handles, [f"{path_name} {mode}" for path_name, mode in series],
+                      loc="lower center", ncol=min(len(series), 6), fontsize="small")
     figure.suptitle(title)
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, 0.1, 1, 1))
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return True
