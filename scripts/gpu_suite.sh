@@ -14,7 +14,8 @@
 # h200.csv (the rows of h200.json), and the example networks' (h200_alexnet.json,
 # h200_resnet18.json), neighbourhood, re-layout, torch_binned (h200_binned.*), host-path
 # (host.json), fovi whole-model (h200_fovi_models.*, the depthwise families'
-# h200_families_fovi_models.*) and fovi-kernel benchmarks' JSON/PNG
+# h200_families_fovi_models.*, the larger sensor's h200_in128_fovi_models.*) and fovi-kernel
+# benchmarks' JSON/PNG
 # and the gather tuner's (tune_gather.json), in OUTDIR/logs.tar.gz (the fovi_kernels and
 # convergence stages need fovi, from WHEEL_DIR); each stage's exit status and time are
 # summarised in OUTDIR/summary.txt.
@@ -90,6 +91,10 @@ stage fovi_models 480 python3 -m knnconv bench --fovi-model resnet18,alexnet,res
   --batches 512,2048 --out "$out/logs"
 stage fovi_families 480 python3 -m knnconv bench --fovi-model resnet18_dwsep,convnextv2 \
   --batches 512,2048 --out "$out/logs" --name h200_families
+# a larger sensor (in_res 128, about four times the samples): step and peak memory against
+# fovi's path and the grid network of as many pixels
+stage fovi_large 300 python3 -m knnconv bench --fovi-model resnet18,alexnet --in-res 128 \
+  --batches 512 --paths fovi,accelerated,grid --out "$out/logs" --name h200_in128
 # fovi's models under DistributedDataParallel at every world size the machine has
 stage ddp 600 python3 scripts/ddp_scaling.py "$out/logs/ddp"
 # a fovi KNNAlexNet trained through fovi's own layers and through knnconv, two seeds each
