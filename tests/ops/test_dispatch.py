@@ -93,6 +93,8 @@ def test_auto_leaves_stems_to_the_cuda_kernels_but_for_large_narrow_forwards():
     generator = torch.Generator().manual_seed(3)
     stem = random_geometry(generator, nin=60, nout=30, k=9).plan(cin=3, cout=64)
     wide = random_geometry(generator, nin=60, nout=30, k=9).plan(cin=3, cout=96)
+    # 24 channels run the zero-padded gather-GEMM, not the few-channel forward
+    padded = random_geometry(generator, nin=60, nout=30, k=9).plan(cin=24, cout=64)
     rows = -(-dispatch.FEW_CHANNEL_FORWARD_MIN_ROWS // stem.nout)
     with knnconv.context.using(graph_replay=True):
         assert not suits(stem, None)
@@ -100,6 +102,7 @@ def test_auto_leaves_stems_to_the_cuda_kernels_but_for_large_narrow_forwards():
     # forward only: the few-channel kernel, from enough output rows, up to 64 channels
     assert suits(stem, rows, backward=False) and not suits(stem, rows - 1, backward=False)
     assert suits(stem, None, backward=False) and not suits(wide, 2**20, backward=False)
+    assert not suits(padded, 2**20, backward=False) and not suits(padded, None, backward=False)
     torch.use_deterministic_algorithms(True)
     try:  # deterministic: the triton kernels are the only native ones that serve it
         assert suits(stem, 1)

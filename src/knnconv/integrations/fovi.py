@@ -406,8 +406,8 @@ class _BatchNormRouter(_Router):
         running = not layer.training or layer.track_running_stats
         # compiled: a training batch norm of the usual kind (affine, tracking its running
         # statistics) as one opaque op (knnconv.torch_ops.batch_norm_train_op)
-        if (torch.compiler.is_compiling() and layer.training and running
-                and layer.running_mean is not None and layer.weight is not None):
+        if (torch.compiler.is_compiling() and layer.training and layer.track_running_stats
+                and layer.weight is not None):
             y, *_, running_mean, running_var = batch_norm_train_op(
                 x, layer.weight, layer.bias, layer.running_mean, layer.running_var, momentum,
                 layer.eps)

@@ -14,6 +14,7 @@ from ..plan import GeometryPlan, KNNConvPlan
 from . import autotune
 from .registry import KNNConvOps, available_backends, get_ops
 from .triton.configs import MIN_BLOCK as TRITON_CHANNEL_CHUNK
+from .triton.configs import few_channels
 
 if TYPE_CHECKING:
     from .cuda import CudaOps
@@ -92,9 +93,10 @@ def triton_suits(plan: KNNConvPlan, batch, backward: bool = True) -> bool:
     """Whether auto takes the triton backend for a convolution call it serves.
 
     - Under deterministic algorithms: always (the cuda backend's backward is refused there).
-    - Layers of input channels that are not a multiple of 16 (image stems): a forward-only
-      call of at most FEW_CHANNEL_FORWARD_MAX_COUT output channels and
-      FEW_CHANNEL_FORWARD_MIN_ROWS output rows (or a symbolic batch), never otherwise.
+    - Layers of input channels that are not a multiple of 16 (triton pads them): never, but
+      for a forward-only call of a layer of fewer than 16 (image stems: the few-channel
+      forward kernel runs it) of at most FEW_CHANNEL_FORWARD_MAX_COUT output channels and
+      FEW_CHANNEL_FORWARD_MIN_ROWS output rows (or a symbolic batch).
     - Steps replayed as graphs (torch.compile, a batch that is not a known int, or the
       graph_replay setting), where GPU time alone counts: where the layer has at least one
       neighbour slot (Nout x K) per kernel cell; the slot count, not the real pairs, so that
@@ -110,7 +112,8 @@ def triton_suits(plan: KNNConvPlan, batch, backward: bool = True) -> bool:
     # comparing it would guard on data (and fail with a dynamic batch)
     symbolic = torch.compiler.is_compiling() or not isinstance(batch, int)
     if plan.cin % TRITON_CHANNEL_CHUNK:
-        return (not backward and plan.cout <= FEW_CHANNEL_FORWARD_MAX_COUT
+        return (not backward and few_channels(plan.cin)
+                and plan.cout <= FEW_CHANNEL_FORWARD_MAX_COUT
                 and (symbolic or batch * plan.nout >= FEW_CHANNEL_FORWARD_MIN_ROWS))
     if symbolic or context.settings().graph_replay:
         return plan.nout * plan.k >= plan.v

@@ -234,7 +234,7 @@ def test_calls_it_cannot_serve_are_refused_by_name(dtype, cin, cout, match):
 
 def test_input_channels_are_padded_to_whole_chunks_with_zeros():
     assert [launch.padded_channels(c) for c in (3, 16, 24, 32)] == [16, 16, 32, 32]
-    assert [launch.few_channels(c) for c in (3, 15, 16, 24)] == [True, True, False, False]
+    assert [configs.few_channels(c) for c in (3, 15, 16, 24)] == [True, True, False, False]
     assert [launch.channel_slots(c) for c in (1, 3, 4, 5)] == [1, 4, 4, 8]
     x = torch.randn(2, 3, 5, dtype=torch.float16)
     padded = launch.with_padded_channels(x, 16)

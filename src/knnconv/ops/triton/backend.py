@@ -20,7 +20,7 @@ import torch
 from ...plan import GeometryPlan, KNNConvPlan, NeighbourhoodPlan
 from ..first_use import FirstUseChecks
 from ..registry import GradientsFirstOps, in_storage
-from .configs import MIN_BLOCK
+from .configs import MIN_BLOCK, few_channels
 from .tables import StemTables, TritonTables, build_stem_tables, build_tables
 
 try:  # Triton ships with torch's CUDA builds; a CPU-only install may lack it
@@ -91,7 +91,7 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
 
     @staticmethod
     def stem_tables(plan: KNNConvPlan, device: torch.device) -> StemTables:
-        """The tables of the few-channel kernels (launch.few_channels)."""
+        """The tables of the few-channel kernels (configs.few_channels)."""
         return plan.derived(device, "triton.stem_tables", lambda t: build_stem_tables(
             t.knn_indices, t.rf_index, nin=plan.nin, v=plan.v))
 
@@ -115,7 +115,7 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
         return weight
 
     def forward(self, plan, x, weight, bias):
-        if launch.few_channels(plan.cin):
+        if few_channels(plan.cin):
             tile = launch.stem_forward_tile(plan.cout)
             key = ("stem_forward", x.dtype, tile, x.device, bias is not None)
             first = self._first_use(key)
@@ -143,7 +143,7 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
         # dx always on the gather-GEMM (a stem's over zero-padded channels); dW of a
         # few-channel layer on its own kernels
         cin = launch.padded_channels(plan.cin)
-        few = launch.few_channels(plan.cin)
+        few = few_channels(plan.cin)
         keys, grads = {}, [None, None, None]
         if need_input:
             tile = launch.grad_input_tile(batch, cin, plan.cout, plan.nin)

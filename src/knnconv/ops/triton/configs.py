@@ -14,6 +14,12 @@ MIN_BLOCK = 16  # the smallest dot extent Triton takes, and a 16-byte TMA box ro
 MAX_BLOCK = 256  # the largest extent of a TMA box
 
 
+def few_channels(cin: int) -> bool:
+    """Whether a layer of ``cin`` input channels runs the few-channel kernels
+    (knnconv.ops.triton.stem_kernels) in its forward and dW: fewer than a contraction chunk."""
+    return cin < MIN_BLOCK
+
+
 @dataclass(frozen=True)
 class TileConfig:
     """block_m: batch rows (grad_weight: input channels); block_n: output columns; block_k:

@@ -44,12 +44,6 @@ def boxable(t: torch.Tensor) -> bool:
             and (batch == 1 or t.stride(0) * element % TMA_ALIGNMENT == 0))
 
 
-def few_channels(cin: int) -> bool:
-    """Whether a layer of ``cin`` input channels runs the few-channel kernels
-    (knnconv.ops.triton.stem_kernels) in its forward and dW: fewer than a contraction chunk."""
-    return cin < MIN_BLOCK
-
-
 def channel_slots(cin: int) -> int:
     """The contraction rows a neighbour takes in the few-channel kernels: a power of two."""
     return 1 << (cin - 1).bit_length()
