@@ -2,11 +2,13 @@
 over a few steps at a small batch (GPU-light, so the step is host-bound), the top functions
 by own and by cumulative time, and the step's wall time on every path of the fovi-model
 bench (fovi's own, accelerated, accelerated under torch.compile's default mode, the grid
-ResNet-18).
+ResNet-18, also compiled), and torch.profiler's host-side table (CUDA runtime calls:
+launches, synchronisations, allocations) of the profiled paths.
 
-    python scripts/profile_fovi_host.py [resnet18|alexnet] [BATCH] [PROFILED_PATH]
+    python scripts/profile_fovi_host.py [MODEL] [BATCH] [PROFILED_PATHS]
 
-PROFILED_PATH: fovi, accelerated (the default), accelerated+compile or grid.
+MODEL: one of the fovi-model bench's (resnet18 by default); PROFILED_PATHS: comma-separated
+paths of that bench (accelerated by default).
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ def wall_ms(step) -> float:
 def main() -> int:
     name = sys.argv[1] if len(sys.argv) > 1 else "resnet18"
     batch = int(sys.argv[2]) if len(sys.argv) > 2 else 16
-    profiled = sys.argv[3] if len(sys.argv) > 3 else "accelerated"
-    if profiled not in PATHS:
-        raise SystemExit(f"PROFILED_PATH must be one of {', '.join(PATHS)}, not {profiled!r}")
+    profiled_paths = (sys.argv[3] if len(sys.argv) > 3 else "accelerated").split(",")
+    for profiled in profiled_paths:
+        if profiled not in PATHS:
+            raise SystemExit(f"PROFILED_PATHS must be of {', '.join(PATHS)}, not {profiled!r}")
     device = torch.device("cuda")
     models = PathModels(name, 64, device)
     steps = {}
@@ -49,19 +52,38 @@ def main() -> int:
         for _ in range(3):
             steps[path]()
         print(f"{name} {path} B={batch}: {wall_ms(steps[path]):.2f} ms per eager step")
+    for profiled in profiled_paths:
+        print_python_profile(steps[profiled], profiled)
+        print_runtime_profile(steps[profiled], profiled)
+    return 0
+
+
+def print_python_profile(step, path: str) -> None:
+    """cProfile's top Python functions of STEPS steps, by own and by cumulative time."""
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(STEPS):
-        steps[profiled]()
+        step()
     torch.cuda.synchronize()
     profiler.disable()
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
-    print(f"profiled: {profiled}")
+    print(f"cProfile: {path}")
     stats.print_stats(35)
     stats.sort_stats("cumulative").print_stats(45)
     print(text.getvalue())
-    return 0
+
+
+def print_runtime_profile(step, path: str) -> None:
+    """torch.profiler's ops and CUDA runtime calls of STEPS steps by host time: a
+    synchronisation or an allocation on the hot path shows here, not in cProfile."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        for _ in range(STEPS):
+            step()
+        torch.cuda.synchronize()
+    print(f"torch.profiler ({STEPS} steps): {path}")
+    print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
 
 
 if __name__ == "__main__":
