@@ -18,10 +18,14 @@ warpgroup_mma          KNNCONV_WARPGROUP_MMA       whether Hopper GPUs (compute 
                                                    published layers so far: bench/NOTES.md)
 graph_replay           KNNCONV_GRAPH_REPLAY        whether ``backend="auto"`` chooses for steps
                                                    replayed as CUDA graphs, by GPU time, instead
-                                                   of for eager steps, by GPU and host time
-                                                   (knnconv.ops.dispatch.triton_suits); set it
-                                                   before the warm-up of a captured step;
-                                                   default off (torch.compile chooses so anyway)
+                                                   of for steps run call by call (eager, or
+                                                   torch.compile's default mode), by GPU and
+                                                   host time (knnconv.ops.dispatch.triton_suits),
+                                                   and a compiled fovi batch norm is the opaque
+                                                   cuDNN op; set it before the warm-up of a
+                                                   captured step and around the first calls of
+                                                   a model compiled with
+                                                   mode="reduce-overhead"; default off
 cache_dir              KNNCONV_CACHE_DIR           where the autotuner keeps its choices
                                                    (default ~/.cache/knnconv)
 cuda_include_dir       KNNCONV_CUDA_INCLUDE        the CUDA headers' directory for the runtime
@@ -36,8 +40,8 @@ and :func:`using` for a block, like NATTEN's context::
     with knnconv.context.using(keep_input_relayout=True):
         loss = model(x).sum()
 
-Settings are process-wide; torch.compile reads them when it traces, so a compiled graph keeps
-the settings it was traced with.
+Settings are process-wide; torch.compile reads them when it traces and guards on them, so a
+compiled model traces again when a setting it read has changed.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ take these ops. Both run the same backend calls (knnconv.ops.execute's impls), s
 compute the same thing. A plan travels through the op schema as its handle, a string
 (GeometryPlan.handle).
 
-Also a training batch norm (the router of fovi's KNNBatchNorm calls it while compiling), so
-that inductor keeps the kernels an eager call takes instead of its own reductions.
+Also a training batch norm (the router of fovi's KNNBatchNorm calls it while compiling under
+the graph_replay setting), so that inductor keeps the kernels an eager call takes instead of
+its own reductions.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ fovi_norm = pytest.importorskip("fovi.arch.norm")
 from torch._dynamo.testing import AotEagerAndRecordGraphs  # noqa: E402
 
 from conftest import rel_err  # noqa: E402
+from knnconv import context  # noqa: E402
 from knnconv.integrations.fovi import (  # noqa: E402
     accelerate,
     accelerate_with_report,
@@ -415,9 +416,30 @@ def test_batch_norm_in_float32_and_under_bfloat16_autocast(dtype):
 @pytest.mark.parametrize("options", ["default", "no_affine", "large_eps", "no_running_stats"])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_compiled_batch_norm_matches_eager_and_stays_one_op(options, training):
-    """Compiled, an affine training batch norm that tracks running statistics is knnconv's
-    opaque batch_norm_train (inductor would lower torch's into its own reductions); other
-    batch norms are torch's. Each matches BatchNorm1d's outputs, gradients and state."""
+    """Compiled for replay (graph_replay), an affine training batch norm that tracks running
+    statistics is knnconv's opaque batch_norm_train (inductor would lower torch's into its
+    own reductions); other batch norms are torch's. Each matches BatchNorm1d's outputs,
+    gradients and state."""
+    with context.using(graph_replay=True):
+        graphs = compiled_batch_norm_graphs(options, training)
+    opaque = training and options in ("default", "large_eps")
+    assert ("knnconv.batch_norm_train.default" in graphs) == opaque
+    assert ("knnconv.batch_norm_train_backward.default" in graphs) == opaque
+    assert bool(re.search(r"aten\.\w*batch_norm", graphs)) == (not opaque)
+
+
+def test_a_batch_norm_compiled_to_run_call_by_call_is_torchs():
+    # torch.compile's default mode: inductor's fused kernels cost less host time than the
+    # opaque op's calls
+    graphs = compiled_batch_norm_graphs("default", training=True)
+    assert "knnconv.batch_norm_train" not in graphs
+    assert re.search(r"aten\.\w*batch_norm", graphs)
+
+
+def compiled_batch_norm_graphs(options: str, training: bool) -> str:
+    """The forward and backward graphs of a routed batch norm compiled with fullgraph=True,
+    after checking two compiled training steps, and two of the same under inductor, against
+    BatchNorm1d's outputs, gradients and state."""
     torch._dynamo.reset()  # every case compiles the router's same code: no recompile limit
     layer = routed_batch_norm(knn_batch_norm(**BATCH_NORM_OPTIONS[options]).double())
     reference = copy.deepcopy(layer).train(training)
@@ -438,11 +460,7 @@ def test_compiled_batch_norm_matches_eager_and_stays_one_op(options, training):
         assert_same_state(layer, reference, TOLERANCE)
         assert_close(batch_norm_step(inductor, x, grad_y),
                      batch_norm_step(inductor_reference, x, grad_y))
-    graphs = "".join(graph.code for graph in recorder.fw_graphs + recorder.bw_graphs)
-    opaque = training and options in ("default", "large_eps")
-    assert ("knnconv.batch_norm_train.default" in graphs) == opaque
-    assert ("knnconv.batch_norm_train_backward.default" in graphs) == opaque
-    assert bool(re.search(r"aten\.\w*batch_norm", graphs)) == (not opaque)
+    return "".join(graph.code for graph in recorder.fw_graphs + recorder.bw_graphs)
 
 
 def test_batch_norm_gives_an_inplace_relu_no_view_to_rebuild():

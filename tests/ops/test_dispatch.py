@@ -77,15 +77,29 @@ def test_replayed_auto_takes_the_triton_kernels_where_cells_have_pairs():
     # two nodes of two neighbours over 36 cells: the step is the weight's, cuda keeps it
     sparse = random_geometry(generator, nin=4, nout=2, k=2, v=36).plan(cin=64, cout=64)
     assert plan.nout * plan.k >= plan.v and sparse.nout * sparse.k < sparse.v
-    # a symbolic batch under torch.compile
-    assert suits(plan, None) and not suits(sparse, None)
-    # whatever the batch looks like while Dynamo traces (it may pass a symbol as an int)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.compiler, "is_compiling", lambda: True)
-        assert suits(plan, 1) and not suits(sparse, 2**20)
     with knnconv.context.using(graph_replay=True):
-        assert suits(plan, 1) and not suits(sparse, 2**20)
-    assert not suits(plan, 1)  # eager again
+        assert suits(plan, 1) and suits(plan, None) and not suits(sparse, 2**20)
+    # call by call again (eager, or compiled in torch.compile's default mode): by work
+    assert not suits(plan, 1) and not suits(plan, None)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_compiled_auto_chooses_by_the_traced_batch(dynamic):
+    """Traced by Dynamo, the batch is an int or a symbol passed off as one; the rule compares
+    it either way (a dynamic batch through a guard), without a graph break, and a batch on
+    the other side of the threshold gets the other choice."""
+    plan = random_geometry(torch.Generator().manual_seed(2), nin=60, nout=30, k=9).plan(
+        cin=64, cout=64)
+    enough = -(-int(dispatch.TRITON_MIN_FORWARD_FLOP)
+               // (2 * plan.entry_count * plan.cin * plan.cout))
+
+    def choice(x):
+        return x.sum() + (1.0 if dispatch.triton_suits(plan, x.shape[0]) else -1.0)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(choice, fullgraph=True, dynamic=dynamic, backend="eager")
+    for batch in (enough - 1, enough, enough + 1, 2):
+        assert compiled(torch.zeros(batch)).item() == (1.0 if batch >= enough else -1.0)
 
 
 def test_auto_leaves_stems_to_the_cuda_kernels_but_for_large_narrow_forwards():

@@ -76,6 +76,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import context
 from ..functional import knn_conv_with_backend, knn_depthwise_conv_with_backend
 from ..ops import get_ops
 from ..plan import KNNConvPlan, NeighbourhoodPlan, make_plan
@@ -404,10 +405,13 @@ class _BatchNormRouter(_Router):
         batch_statistics = layer.training or (layer.running_mean is None
                                               and layer.running_var is None)
         running = not layer.training or layer.track_running_stats
-        # compiled: a training batch norm of the usual kind (affine, tracking its running
-        # statistics) as one opaque op (knnconv.torch_ops.batch_norm_train_op)
-        if (torch.compiler.is_compiling() and layer.training and layer.track_running_stats
-                and layer.weight is not None):
+        # compiled for replay as CUDA graphs (the graph_replay setting): a training batch
+        # norm of the usual kind (affine, tracking its running statistics) as one opaque op
+        # (knnconv.torch_ops.batch_norm_train_op), cuDNN's kernels at half the GPU time of
+        # inductor's; but its calls cost more host time than inductor's fused kernels, which
+        # a step run call by call pays (bench/NOTES.md 2026-12-03)
+        if (torch.compiler.is_compiling() and context.settings().graph_replay
+                and layer.training and layer.track_running_stats and layer.weight is not None):
             y, *_, running_mean, running_var = batch_norm_train_op(
                 x, layer.weight, layer.bias, layer.running_mean, layer.running_var, momentum,
                 layer.eps)

@@ -223,10 +223,11 @@ def reduce_overhead(function: Callable, **options):
     """``function`` under torch.compile(mode="reduce-overhead", dynamic=False), compiled
     afresh (Dynamo keeps a handful of compilations per code object: a benchmark compiling
     many shapes would otherwise fall back to eager) and its recorded graphs and their memory
-    pool freed after the block."""
+    pool freed after the block; under the graph_replay setting, as its replayed steps want."""
     torch.compiler.reset()
     try:
-        yield torch.compile(function, mode="reduce-overhead", dynamic=False, **options)
+        with context.using(graph_replay=True):
+            yield torch.compile(function, mode="reduce-overhead", dynamic=False, **options)
     finally:
         torch.compiler.reset()
 
