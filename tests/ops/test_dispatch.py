@@ -84,22 +84,26 @@ def test_replayed_auto_takes_the_triton_kernels_where_cells_have_pairs():
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-def test_compiled_auto_chooses_by_the_traced_batch(dynamic):
-    """Traced by Dynamo, the batch is an int or a symbol passed off as one; the rule compares
-    it either way (a dynamic batch through a guard), without a graph break, and a batch on
-    the other side of the threshold gets the other choice."""
+def test_compiled_auto_does_not_compare_the_traced_batch(dynamic):
+    """Traced by Dynamo, the batch may be a symbol (unbacked, even) passed off as an int,
+    which a comparison could not guard on: compiled, auto keeps the cuda kernels for steps run
+    call by call, whatever the batch, and takes the replayed rule under graph_replay; no
+    graph break either way."""
     plan = random_geometry(torch.Generator().manual_seed(2), nin=60, nout=30, k=9).plan(
         cin=64, cout=64)
     enough = -(-int(dispatch.TRITON_MIN_FORWARD_FLOP)
                // (2 * plan.entry_count * plan.cin * plan.cout))
+    assert dispatch.triton_suits(plan, enough)  # eager, this batch takes triton
 
     def choice(x):
         return x.sum() + (1.0 if dispatch.triton_suits(plan, x.shape[0]) else -1.0)
 
-    torch._dynamo.reset()
-    compiled = torch.compile(choice, fullgraph=True, dynamic=dynamic, backend="eager")
-    for batch in (enough - 1, enough, enough + 1, 2):
-        assert compiled(torch.zeros(batch)).item() == (1.0 if batch >= enough else -1.0)
+    for replay in (False, True):
+        torch._dynamo.reset()
+        with knnconv.context.using(graph_replay=replay):
+            compiled = torch.compile(choice, fullgraph=True, dynamic=dynamic, backend="eager")
+            for batch in (enough + 1, 2):
+                assert compiled(torch.zeros(batch)).item() == (1.0 if replay else -1.0)
 
 
 def test_auto_leaves_stems_to_the_cuda_kernels_but_for_large_narrow_forwards():
