@@ -95,6 +95,8 @@ stage fovi_families 480 python3 -m knnconv bench --fovi-model resnet18_dwsep,con
 # fovi's path and the grid network of as many pixels
 stage fovi_large 300 python3 -m knnconv bench --fovi-model resnet18,alexnet --in-res 128 \
   --batches 512 --paths fovi,accelerated,grid --out "$out/logs" --name h200_in128
+# what is alive at the peak of a training step on that sensor, fovi's path against knnconv's
+stage fovi_memory 150 python3 scripts/profile_fovi_memory.py resnet18 512 128 fovi,accelerated
 # fovi's models under DistributedDataParallel at every world size the machine has
 stage ddp 600 python3 scripts/ddp_scaling.py "$out/logs/ddp"
 # a fovi KNNAlexNet trained through fovi's own layers and through knnconv, two seeds each
