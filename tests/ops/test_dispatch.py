@@ -83,17 +83,17 @@ def test_replayed_auto_takes_the_triton_kernels_where_cells_have_pairs():
     assert not suits(plan, 1) and not suits(plan, None)
 
 
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-def test_compiled_auto_does_not_compare_the_traced_batch(dynamic):
-    """Traced by Dynamo, the batch may be a symbol (unbacked, even) passed off as an int,
-    which a comparison could not guard on: compiled, auto keeps the cuda kernels for steps run
-    call by call, whatever the batch, and takes the replayed rule under graph_replay; no
-    graph break either way."""
+@pytest.mark.parametrize("batch_kind", ["static", "dynamic", "unbacked"])
+def test_compiled_auto_compares_the_batches_it_can_guard_on(batch_kind):
+    """Traced by Dynamo, the batch is an int, a symbol or an unbacked (data-dependent) symbol,
+    each passed off as an int. The rule for steps run call by call compares the first two
+    (Dynamo guards on the outcome and compiles again across the threshold) and keeps the cuda
+    kernels for the third, on which no guard can be placed; under graph_replay the replayed
+    rule, which reads no batch. No graph break in any case."""
     plan = random_geometry(torch.Generator().manual_seed(2), nin=60, nout=30, k=9).plan(
         cin=64, cout=64)
     enough = -(-int(dispatch.TRITON_MIN_FORWARD_FLOP)
                // (2 * plan.entry_count * plan.cin * plan.cout))
-    assert dispatch.triton_suits(plan, enough)  # eager, this batch takes triton
 
     def choice(x):
         return x.sum() + (1.0 if dispatch.triton_suits(plan, x.shape[0]) else -1.0)
@@ -101,9 +101,15 @@ def test_compiled_auto_does_not_compare_the_traced_batch(dynamic):
     for replay in (False, True):
         torch._dynamo.reset()
         with knnconv.context.using(graph_replay=replay):
-            compiled = torch.compile(choice, fullgraph=True, dynamic=dynamic, backend="eager")
-            for batch in (enough + 1, 2):
-                assert compiled(torch.zeros(batch)).item() == (1.0 if replay else -1.0)
+            compiled = torch.compile(choice, fullgraph=True, backend="eager",
+                                     dynamic=batch_kind == "dynamic")
+            for batch in (enough - 1, enough, 2 * enough):
+                x = torch.zeros(batch)
+                if batch_kind == "unbacked":
+                    torch._dynamo.decorators.mark_unbacked(x, 0)
+                comparable = batch_kind != "unbacked" and batch >= enough
+                expected = 1.0 if replay or comparable else -1.0
+                assert compiled(x).item() == expected, (replay, batch)
 
 
 def test_auto_leaves_stems_to_the_cuda_kernels_but_for_large_narrow_forwards():

@@ -8,6 +8,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from .. import context
 from ..plan import GeometryPlan, KNNConvPlan
@@ -96,7 +97,7 @@ def triton_suits(plan: KNNConvPlan, batch, backward: bool = True) -> bool:
     - Layers of input channels that are not a multiple of 16 (triton pads them): never, but
       for a forward-only call of a layer of fewer than 16 (image stems: the few-channel
       forward kernel runs it) of at most FEW_CHANNEL_FORWARD_MAX_COUT output channels and
-      FEW_CHANNEL_FORWARD_MIN_ROWS output rows (or a batch not known: None, or traced).
+      FEW_CHANNEL_FORWARD_MIN_ROWS output rows (or no batch given: None).
     - Steps replayed as CUDA graphs (the graph_replay setting, which a step captured by hand
       or compiled with mode="reduce-overhead" sets), where GPU time alone counts: where the layer
       has at least one neighbour slot (Nout x K) per kernel cell; the slot count, not the
@@ -104,27 +105,31 @@ def triton_suits(plan: KNNConvPlan, batch, backward: bool = True) -> bool:
       training step was 1.26x the cuda backend's (geomean of 75 published cells); it lost
       on layers of a few nodes and many cells, whose step is the weight's re-layout and
       gradient.
-    - Steps run call by call, where host time counts too: eager calls from
-      TRITON_MIN_FORWARD_FLOP of forward work up; compiled ones (torch.compile's default
-      mode) and calls without a batch (None), never, the cuda kernels' calls costing the host
-      less. Compiled as if replayed (triton on 15 of 20 layers), a fovi ResNet-18 step at
-      B = 512 took 38.6 ms, host-bound, against eager's 21.3
-      (bench/results/host_profile_resnet18_b512.txt).
+    - Steps run call by call, eager or compiled in torch.compile's default mode, where host
+      time counts too: from TRITON_MIN_FORWARD_FLOP of forward work up; without a batch
+      (None), or with a batch torch.compile traces as a data-dependent symbol, never, the
+      cuda kernels' calls costing the host less. Compiled as if replayed (triton on 15 of 20
+      layers), a fovi ResNet-18 step at B = 512 took 38.6 ms, host-bound, against eager's
+      21.3 (bench/results/host_profile_resnet18_b512.txt).
 
     (bench/results/h200.json, bench/NOTES.md 2026-12-03)"""
     if torch.are_deterministic_algorithms_enabled():
         return True
-    # While torch.compile traces, the batch may be a symbol (unbacked, even) that Dynamo
-    # passes off as an int: a comparison could not guard on it, so it is not compared
-    unknown = batch is None or torch.compiler.is_compiling()
     if plan.cin % TRITON_CHANNEL_CHUNK:
         return (not backward and few_channels(plan.cin)
                 and plan.cout <= FEW_CHANNEL_FORWARD_MAX_COUT
-                and (unknown or batch * plan.nout >= FEW_CHANNEL_FORWARD_MIN_ROWS))
+                and (batch is None or _at_least(batch * plan.nout, FEW_CHANNEL_FORWARD_MIN_ROWS)))
     if context.settings().graph_replay:
         return plan.nout * plan.k >= plan.v
-    return not unknown and (
-        2 * batch * plan.entry_count * plan.cin * plan.cout >= TRITON_MIN_FORWARD_FLOP)
+    return batch is not None and _at_least(
+        2 * batch * plan.entry_count * plan.cin * plan.cout, TRITON_MIN_FORWARD_FLOP)
+
+
+def _at_least(work, threshold) -> bool:
+    """work >= threshold, where work may be a size Dynamo traces as a symbol and passes off
+    as an int: compared (and guarded on) where the symbol has a value to guard on, False where
+    it is unbacked (data-dependent), which no guard can check."""
+    return guard_or_false(work >= threshold)
 
 
 def _native_choice(plan: GeometryPlan, device: torch.device, dtype: torch.dtype,

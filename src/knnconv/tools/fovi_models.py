@@ -179,6 +179,10 @@ GRID_PATHS = ("grid", "grid+compile")
 # torchvision's ResNet-18 per device, and its torch.compile'd forward: one for every fovi model
 # of a run (they share the sensor, so the grid's pixels), compiled once
 _grid_networks: dict[torch.device, tuple] = {}
+# Compiled with static shapes, as a training run at one batch size is: each batch of the bench
+# gets its own graph, where Dynamo would otherwise make the second batch size's graph dynamic,
+# whose size arithmetic and guards cost host time a fixed-batch run does not pay.
+COMPILE_OPTIONS = {"dynamic": False}
 
 
 def grid_networks(device: torch.device) -> tuple[torch.nn.Module | None, Callable | None,
@@ -194,7 +198,7 @@ def grid_networks(device: torch.device) -> tuple[torch.nn.Module | None, Callabl
             torch.manual_seed(0)
             grid = torchvision.models.resnet18(num_classes=N_CLASSES).to(
                 device, memory_format=torch.channels_last)
-            _grid_networks[device] = (grid, torch.compile(grid), None)
+            _grid_networks[device] = (grid, torch.compile(grid, **COMPILE_OPTIONS), None)
     return _grid_networks[device]
 
 
@@ -204,7 +208,7 @@ class PathModels:
     def __init__(self, name: str, in_res: int, device: torch.device) -> None:
         self.fovi = build_fovi(name, in_res, device)
         self.accelerated = accelerate(copy.deepcopy(self.fovi)).to(device)
-        self.compiled = torch.compile(self.accelerated)
+        self.compiled = torch.compile(self.accelerated, **COMPILE_OPTIONS)
         self.samples = sensor_samples(self.fovi)
         self.side = round(math.sqrt(self.samples))
         self.grid, self.grid_compiled, self.grid_skip = grid_networks(device)
