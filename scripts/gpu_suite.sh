@@ -16,7 +16,8 @@
 # (host.json), fovi whole-model (h200_fovi_models.*, the depthwise families'
 # h200_families_fovi_models.*, the larger sensor's h200_in128_fovi_models.*) and fovi-kernel
 # benchmarks' JSON/PNG
-# and the gather tuner's (tune_gather.json), in OUTDIR/logs.tar.gz (the fovi_kernels and
+# the pooling layers' (fovi_pools.json) and the gather tuner's (tune_gather.json), in
+# OUTDIR/logs.tar.gz (the fovi_kernels and
 # convergence stages need fovi, from WHEEL_DIR); each stage's exit status and time are
 # summarised in OUTDIR/summary.txt.
 # FOVI_TESTS: a file of fovi's own tests of the module-level kernel API (its
@@ -82,6 +83,9 @@ stage fovi_kernels 240 python3 scripts/bench_fovi_kernels.py "$geometry" \
   "$out/logs/fovi_kernels.json" --stems
 stage host 60 python3 scripts/bench_host.py "$geometry" "$out/logs/host.json"
 stage neighbourhood 120 python3 scripts/bench_neighbourhood.py "$out/logs/neighbourhood.json"
+# every pooling layer of fovi's ResNet-18 and AlexNet, forward and backward against the
+# copy-bandwidth floor
+stage fovi_pools 120 python3 scripts/bench_fovi_pools.py "$out/logs/fovi_pools.json"
 stage demo 60 python3 -m knnconv demo --out "$out/demo.png"
 # fovi's own ResNet-18 and AlexNet, and its ResNet-50, depthwise-separable ResNet-18 and
 # ConvNeXtV2 on the same sensor: one training step as fovi runs it, accelerated, compiled, and
