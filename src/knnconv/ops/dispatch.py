@@ -98,8 +98,9 @@ def triton_suits(plan: KNNConvPlan, batch, backward: bool = True) -> bool:
       for a forward-only call of a layer of fewer than 16 (image stems: the few-channel
       forward kernel runs it) of at most FEW_CHANNEL_FORWARD_MAX_COUT output channels and
       FEW_CHANNEL_FORWARD_MIN_ROWS output rows (or no batch given: None).
-    - Steps replayed as CUDA graphs (the graph_replay setting, which a step captured by hand
-      or compiled with mode="reduce-overhead" sets), where GPU time alone counts: where the layer
+    - Steps replayed as CUDA graphs (the graph_replay setting, which the user sets for a step
+      captured by hand or compiled with mode="reduce-overhead"), where GPU time alone counts:
+      where the layer
       has at least one neighbour slot (Nout x K) per kernel cell; the slot count, not the
       real pairs, so that Dynamo does not trace a count of the table. Replayed, triton's
       training step was 1.26x the cuda backend's (geomean of 75 published cells); it lost

@@ -56,8 +56,9 @@ MODES = ("forward", "train", "train_graph", "train_compiled", "train_no_dx",
 # train_no_dx, train_graph_no_dx (opt-in): train and train_graph with an input that needs no
 # gradient, the image layer's step as a network trains it.
 GRAPH_MODES = ("train_graph", "train_compiled", "train_graph_no_dx")
-GRAPHED_BACKENDS = {"train_graph": ("cuda", "triton", "auto"), "train_compiled": ("cuda",),
-                    "train_graph_no_dx": ("cuda", "triton", "auto")}
+NATIVE_BACKENDS = ("cuda", "triton", "auto")
+GRAPHED_BACKENDS = {"train_graph": NATIVE_BACKENDS, "train_compiled": ("cuda",),
+                    "train_graph_no_dx": NATIVE_BACKENDS}
 NO_DX_MODES = ("train_no_dx", "train_graph_no_dx")
 DEFAULT_MODES = ("forward", "train", "train_graph")
 # The fovi figure a mode's time compares with: a compiled step is what a user who compiles

@@ -382,6 +382,9 @@ def speedup_lines(rows: list[dict[str, Any]]) -> list[str]:
     def cell(value: float | None, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
+    def speedup(reference_ms: float | None, ms: float | None) -> str:
+        return cell(reference_ms / ms if reference_ms and ms else None, ".2f")
+
     keys = sorted({(m, mode, b) for m, _, mode, b in times}, key=str)
     for model, mode, batch in keys:
         fovi = times.get((model, "fovi", mode, batch))
@@ -392,9 +395,8 @@ def speedup_lines(rows: list[dict[str, Any]]) -> list[str]:
             lines.append(
                 f"{model:9} {mode:5} {batch:>5} {cell(fovi, '.2f'):>9} {cell(grid, '.2f'):>9} "
                 f"{path:20} {cell(ms, '.2f'):>9} "
-                f"{cell(fovi / ms if fovi and ms else None, '.2f'):>8} "
-                f"{cell(grid / ms if grid and ms else None, '.2f'):>8} "
-                f"{cell(grid_compiled / ms if grid_compiled and ms else None, '.2f'):>16}")
+                f"{speedup(fovi, ms):>8} {speedup(grid, ms):>8} "
+                f"{speedup(grid_compiled, ms):>16}")
     return lines
 
 

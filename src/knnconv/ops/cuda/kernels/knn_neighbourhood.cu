@@ -254,6 +254,35 @@ __global__ void knn_pool_backward_channels_last(
 // loop over gridDim.y; batch group b0 = (g / C) * kDepthwiseRows.
 constexpr int kDepthwiseRows = 4;
 
+__device__ __forceinline__ int depthwise_row_groups(int batch, int channels) {
+  return channels * ((batch + kDepthwiseRows - 1) / kDepthwiseRows);
+}
+
+// Row group g: its channel c, its first batch element b0 and how many it has (the batch's
+// last group may be partial).
+struct DepthwiseRows {
+  int c, b0, count;
+  __device__ __forceinline__ DepthwiseRows(int g, int channels, int batch)
+      : c(g % channels),
+        b0((g / channels) * kDepthwiseRows),
+        count(min(kDepthwiseRows, batch - (g / channels) * kDepthwiseRows)) {}
+  // Where element (b0, c, 0) of a contiguous [B, C, n] tensor is.
+  __device__ __forceinline__ size_t offset(int channels, int n) const {
+    return (static_cast<size_t>(b0) * channels + c) * n;
+  }
+};
+
+// out[i * stride] = total[i] for the group's rows.
+template <typename T>
+__device__ __forceinline__ void store_depthwise_rows(T* out, size_t stride,
+                                                     const float (&total)[kDepthwiseRows],
+                                                     int count) {
+#pragma unroll
+  for (int i = 0; i < kDepthwiseRows; ++i) {
+    if (i < count) out[i * stride] = from_float<T>(total[i]);
+  }
+}
+
 // y[b, c, n] = bias[c] + sum over the real neighbours k of x[b, c, knn[k, n]] * w[c, cells[k, n]].
 template <typename T>
 __global__ void knn_depthwise_forward(const T* __restrict__ x, const T* __restrict__ w,
@@ -262,31 +291,26 @@ __global__ void knn_depthwise_forward(const T* __restrict__ x, const T* __restri
                                       int batch, int channels, int nin, int nout, int k, int v) {
   const int n = blockIdx.x * blockDim.x + threadIdx.x;
   if (n >= nout) return;
-  const int groups = channels * ((batch + kDepthwiseRows - 1) / kDepthwiseRows);
+  const int groups = depthwise_row_groups(batch, channels);
   const size_t x_stride = static_cast<size_t>(channels) * nin;
   const size_t y_stride = static_cast<size_t>(channels) * nout;
   for (int g = blockIdx.y; g < groups; g += gridDim.y) {
-    const int c = g % channels, b0 = (g / channels) * kDepthwiseRows;
-    const int rows = min(kDepthwiseRows, batch - b0);
-    const T* x_rows = x + (static_cast<size_t>(b0) * channels + c) * nin;
+    const DepthwiseRows rows(g, channels, batch);
+    const T* x_rows = x + rows.offset(channels, nin);
     float total[kDepthwiseRows];
-    const float start = bias == nullptr ? 0.0f : to_float(bias[c]);
+    const float start = bias == nullptr ? 0.0f : to_float(bias[rows.c]);
 #pragma unroll
     for (int i = 0; i < kDepthwiseRows; ++i) total[i] = start;
     for (int s = 0; s < k; ++s) {
       const int m = knn[s * nout + n];
       if (m == nin) continue;
-      const float weight = to_float(w[c * v + cells[s * nout + n]]);
+      const float weight = to_float(w[rows.c * v + cells[s * nout + n]]);
 #pragma unroll
       for (int i = 0; i < kDepthwiseRows; ++i) {
-        if (i < rows) total[i] += to_float(x_rows[i * x_stride + m]) * weight;
+        if (i < rows.count) total[i] += to_float(x_rows[i * x_stride + m]) * weight;
       }
     }
-    T* y_rows = y + (static_cast<size_t>(b0) * channels + c) * nout + n;
-#pragma unroll
-    for (int i = 0; i < kDepthwiseRows; ++i) {
-      if (i < rows) y_rows[i * y_stride] = from_float<T>(total[i]);
-    }
+    store_depthwise_rows(y + rows.offset(channels, nout) + n, y_stride, total, rows.count);
   }
 }
 
@@ -301,27 +325,22 @@ __global__ void knn_depthwise_grad_input(const T* __restrict__ gy, const T* __re
   const int m = blockIdx.x * blockDim.x + threadIdx.x;
   if (m >= nin) return;
   const int first = pair_start[m], last = pair_start[m + 1];
-  const int groups = channels * ((batch + kDepthwiseRows - 1) / kDepthwiseRows);
+  const int groups = depthwise_row_groups(batch, channels);
   const size_t gy_stride = static_cast<size_t>(channels) * nout;
   const size_t dx_stride = static_cast<size_t>(channels) * nin;
   for (int g = blockIdx.y; g < groups; g += gridDim.y) {
-    const int c = g % channels, b0 = (g / channels) * kDepthwiseRows;
-    const int rows = min(kDepthwiseRows, batch - b0);
-    const T* gy_rows = gy + (static_cast<size_t>(b0) * channels + c) * nout;
+    const DepthwiseRows rows(g, channels, batch);
+    const T* gy_rows = gy + rows.offset(channels, nout);
     float total[kDepthwiseRows] = {};
     for (int j = first; j < last; ++j) {
       const int n = pair_node[j];
-      const float weight = to_float(w[c * v + pair_cell[j]]);
+      const float weight = to_float(w[rows.c * v + pair_cell[j]]);
 #pragma unroll
       for (int i = 0; i < kDepthwiseRows; ++i) {
-        if (i < rows) total[i] += to_float(gy_rows[i * gy_stride + n]) * weight;
+        if (i < rows.count) total[i] += to_float(gy_rows[i * gy_stride + n]) * weight;
       }
     }
-    TGrad* dx_rows = dx + (static_cast<size_t>(b0) * channels + c) * nin + m;
-#pragma unroll
-    for (int i = 0; i < kDepthwiseRows; ++i) {
-      if (i < rows) dx_rows[i * dx_stride] = from_float<TGrad>(total[i]);
-    }
+    store_depthwise_rows(dx + rows.offset(channels, nin) + m, dx_stride, total, rows.count);
   }
 }
 
