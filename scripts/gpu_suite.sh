@@ -48,7 +48,7 @@ if [ -n "${3:-}" ]; then
   stage wheels 120 python3 -m pip install --no-deps --no-index "$3"/*.whl
 fi
 nvidia-smi >"$out/logs/nvidia-smi.txt" 2>&1
-stage tests 300 python3 -m pytest tests -m gpu -v -p no:cacheprovider --durations=12
+stage tests 480 python3 -m pytest tests -m gpu -v -p no:cacheprovider --durations=12
 if [ -n "${4:-}" ]; then
   stage fovi_api 120 python3 -m pytest -v -p no:cacheprovider "$4"
 fi
