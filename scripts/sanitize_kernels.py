@@ -27,6 +27,8 @@ EDGE_SHAPES = [  # (batch, cin, cout, nin, nout, k, v, padding)
     (65, 64, 48, 30, 1, 7, 25, 0.5),
     (33, 3, 72, 40, 11, 25, 16, 0.2),  # an image layer: dW reads channels-last grad_y
     (129, 96, 64, 30, 5, 9, 9, 0.3),  # on Hopper, the warpgroup-MMA gather both ways
+    (33, 3, 64, 300, 40, 49, 196, 0.1),  # stems: triton's few-channel kernels, one row block
+    (17, 3, 96, 200, 9, 121, 121, 0.05),  # and K * 4 channel slots over two row blocks
 ]
 
 

@@ -2,7 +2,8 @@
 
     python scripts/tune_triton.py GEOMETRY_DIR OUT.json LAYER_SUBSTR:BATCH [...]
 
-KNNCONV_TUNE_FAMILIES (comma-separated, default all) names the families tuned.
+KNNCONV_TUNE_FAMILIES (comma-separated, default all) names the families tuned; a layer of
+few input channels (a stem) tunes the few-channel families, any other the gather-GEMMs.
 
 Each (layer, batch) times the forward, dx and dW launches (knnconv.ops.triton.launch, the
 weight's re-layout included: the same for every tile) for every candidate tile of their
@@ -35,7 +36,17 @@ SPACE = {"forward": GEMM_TILES, "grad_input": GEMM_TILES,
          "grad_weight": [(128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (64, 128, 64, 4, 4),
                          (128, 64, 64, 4, 4), (64, 64, 128, 4, 4), (128, 256, 64, 8, 3),
                          (256, 128, 64, 8, 3), (64, 64, 256, 4, 3), (64, 128, 128, 4, 3),
-                         (128, 256, 128, 8, 2), (128, 128, 256, 8, 2)]}
+                         (128, 256, 128, 8, 2), (128, 128, 256, 8, 2)],
+         # few-channel stems: batch rows, output columns, contraction rows (several
+         # neighbours' channel slots)
+         "stem_forward": [(128, 64, 32, 4, 3), (128, 64, 64, 4, 3), (64, 64, 64, 4, 3),
+                          (128, 64, 128, 8, 3), (256, 64, 64, 8, 3), (64, 64, 32, 4, 4),
+                          (128, 128, 64, 8, 3), (256, 64, 32, 8, 4)],
+         # a node's partial rows (its slots' channels), output columns, batch rows
+         "stem_grad_weight": [(64, 64, 64, 4, 3), (128, 64, 64, 4, 3), (128, 64, 64, 8, 3),
+                              (256, 64, 64, 8, 3), (256, 64, 32, 8, 4), (256, 64, 128, 8, 2),
+                              (128, 64, 128, 8, 3), (64, 64, 128, 4, 3), (256, 128, 64, 8, 2)]}
+STEM_FAMILIES = ("stem_forward", "stem_grad_weight")
 # grad_weight's programs per SM (how far each cell's steps are split), per candidate tile;
 # launch.PROGRAMS_PER_SM, the default, must be one of them
 PROGRAMS_PER_SM = (2, 8, 16)
@@ -45,6 +56,8 @@ def fitted(family: str, plan, raw: tuple) -> configs.TileConfig | None:
     """A candidate fitted to the layer as the rules' tiles are (configs.fit), or None where
     its contraction chunk does not divide the contracted channels."""
     tile = configs.TileConfig(*raw)
+    if family in STEM_FAMILIES:
+        return configs.fit(tile, plan.cout, None, None)
     n = plan.cin if family == "grad_input" else plan.cout
     if family == "grad_weight":
         return configs.fit(tile, n, None, plan.cin)
@@ -54,6 +67,12 @@ def fitted(family: str, plan, raw: tuple) -> configs.TileConfig | None:
 
 def launcher(family: str, plan, batch: int, tile, operands, programs_per_sm: int):
     x, weight, grad_y, tables = operands
+    if family == "stem_forward":
+        return lambda: launch.stem_forward(x, weight, None, tables, nin=plan.nin,
+                                           nout=plan.nout, v=plan.v, tile=tile)
+    if family == "stem_grad_weight":
+        return lambda: launch.stem_grad_weight(grad_y, x, tables, nin=plan.nin, v=plan.v,
+                                               tile=tile)
     if family == "forward":
         return lambda: launch.forward(x, weight, None, tables, nout=plan.nout, v=plan.v,
                                       tile=tile)
@@ -76,15 +95,21 @@ def tune_cell(layer, batch: int, families: list[str]) -> list[dict]:
 
     operands = (channels_last(batch, plan.cin, plan.nin),
                 torch.randn(plan.cout, plan.q, device=DEVICE, dtype=torch.float16),
-                channels_last(batch, plan.cout, plan.nout), get_ops("triton").tables(plan, DEVICE))
+                channels_last(batch, plan.cout, plan.nout),
+                (get_ops("triton").stem_tables if configs.few_channels(plan.cin)
+                 else get_ops("triton").tables)(plan, DEVICE))
     flop = 2 * batch * plan.entry_count * plan.cin * plan.cout
     rows = []
-    for family in families:
+    stem = configs.few_channels(plan.cin)
+    for family in [f for f in families if (f in STEM_FAMILIES) == stem]:
         space = SPACE[family]
         chosen = {"forward": lambda: launch.forward_tile(batch, plan.cin, plan.cout, plan.nout),
                   "grad_input": lambda: launch.grad_input_tile(batch, plan.cin, plan.cout,
                                                                plan.nin),
                   "grad_weight": lambda: launch.grad_weight_tile(batch, plan.cin, plan.cout),
+                  "stem_forward": lambda: launch.stem_forward_tile(batch, plan.cout),
+                  "stem_grad_weight": lambda: launch.stem_grad_weight_tile(batch,
+                                                                           plan.cout),
                   }[family]()
         tiles = {chosen} | {t for raw in space if (t := fitted(family, plan, raw))}
         spreads = PROGRAMS_PER_SM if family == "grad_weight" else (launch.PROGRAMS_PER_SM,)

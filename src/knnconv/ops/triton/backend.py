@@ -116,7 +116,7 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
 
     def forward(self, plan, x, weight, bias):
         if few_channels(plan.cin):
-            tile = launch.stem_forward_tile(plan.cout)
+            tile = launch.stem_forward_tile(x.shape[0], plan.cout)
             key = ("stem_forward", x.dtype, tile, x.device, bias is not None)
             first = self._first_use(key)
             y = launch.stem_forward(x, weight, bias, self.stem_tables(plan, x.device),
@@ -149,7 +149,7 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
             tile = launch.grad_input_tile(batch, cin, plan.cout, plan.nin)
             keys["input"] = ("grad_input", grad_y.dtype, tile, device, grad_dtypes[0])
         if need_weight and few:
-            tile_w = launch.stem_grad_weight_tile(plan.cout)
+            tile_w = launch.stem_grad_weight_tile(batch, plan.cout)
             keys["weight"] = ("stem_grad_weight", grad_y.dtype, tile_w, device)
         elif need_weight:
             tile_w = launch.grad_weight_tile(batch, cin, plan.cout)

@@ -32,6 +32,8 @@ TMA_ALIGNMENT = 16  # bytes: a tensor map's base address and row strides
 # measured (bench/NOTES.md, 2026-12-03): more programs hide the latency of each step's loads
 PROGRAMS_PER_SM = 8
 MIN_STEPS_PER_SPLIT = 16
+# the few-channel dW's per-cell sum loads this many (node, slot) entries of its cell per step
+CELL_SUM_ENTRIES = 32
 
 
 def boxable(t: torch.Tensor) -> bool:
@@ -103,13 +105,13 @@ def grad_weight_tile(batch: int, cin: int, cout: int) -> TileConfig:
 
 
 @cache
-def stem_forward_tile(cout: int) -> TileConfig:
-    return tile_config("stem_forward", batch=0, n=cout)
+def stem_forward_tile(batch: int, cout: int) -> TileConfig:
+    return tile_config("stem_forward", batch=batch, n=cout)
 
 
 @cache
-def stem_grad_weight_tile(cout: int) -> TileConfig:
-    return tile_config("stem_grad_weight", batch=0, n=cout)
+def stem_grad_weight_tile(batch: int, cout: int) -> TileConfig:
+    return tile_config("stem_grad_weight", batch=batch, n=cout)
 
 
 def grad_weight_splits(tile: TileConfig, *, batch: int, cin: int, cout: int, v: int,
@@ -237,5 +239,5 @@ def stem_grad_weight(grad_y: torch.Tensor, x: torch.Tensor, tables: StemTables, 
     grad = _poisoned_or_empty((cout, cin * v), torch.float32, x.device, poison)
     knn_stem_cell_sum_kernel[(v, triton.cdiv(cout, tile.block_n))](
         partial, grad, tables.cell_start, tables.cell_slot, cin, cout, v, k, partial_rows,
-        SLOTS=slots, BC=slots, BN=tile.block_n, num_warps=4)
+        SLOTS=slots, BE=CELL_SUM_ENTRIES, BN=tile.block_n, num_warps=4)
     return grad

@@ -87,20 +87,27 @@ def knn_stem_grad_weight_kernel(xt_ptr, gy_desc, partial_ptr, neighbour_ptr,
 @triton.jit
 def knn_stem_cell_sum_kernel(partial_ptr, grad_ptr, start_ptr, slot_ptr,
                              cin, cout, v, k, partial_rows,
-                             SLOTS: tl.constexpr, BC: tl.constexpr, BN: tl.constexpr):
-    # dW[o, c*V + cell] = sum over the cell's (node, slot) entries, in table order, of
-    # P_node[slot*SLOTS + c, o]: one program per (cell, column tile), every channel at once
+                             SLOTS: tl.constexpr, BE: tl.constexpr, BN: tl.constexpr):
+    # dW[o, c*V + cell] = sum over the cell's (node, slot) entries of P_node[slot*SLOTS + c, o]:
+    # one program per (cell, column tile), every channel at once. BE entries are loaded per
+    # step (a cell has hundreds to thousands, one load each would leave the loop waiting on
+    # memory) into BE running sums, added up in a fixed order at the end: deterministic.
     cell = tl.program_id(0)
     o0 = tl.program_id(1) * BN
-    channels = tl.arange(0, BC)
+    rows = tl.arange(0, BE * SLOTS)  # entry rows // SLOTS of a step, channel rows % SLOTS
+    channel = rows % SLOTS
     cols = o0 + tl.arange(0, BN)
-    mask = (channels[:, None] < cin) & (cols[None, :] < cout)
-    acc = tl.zeros((BC, BN), dtype=tl.float32)
-    for entry in range(tl.load(start_ptr + cell), tl.load(start_ptr + cell + 1)):
-        node_slot = tl.load(slot_ptr + entry)  # node * K + slot
-        node = node_slot // k
-        slot = node_slot % k
-        row = (node * partial_rows + slot * SLOTS + channels).to(tl.int64)
-        acc += tl.load(partial_ptr + row[:, None] * cout + cols[None, :], mask=mask, other=0.0)
+    first = tl.load(start_ptr + cell)
+    last = tl.load(start_ptr + cell + 1)
+    acc = tl.zeros((BE * SLOTS, BN), dtype=tl.float32)
+    for e0 in range(first, last, BE):
+        entry = e0 + rows // SLOTS
+        live = (entry < last) & (channel < cin)
+        node_slot = tl.load(slot_ptr + entry, mask=live, other=0)  # node * K + slot
+        row = ((node_slot // k) * partial_rows + (node_slot % k) * SLOTS + channel).to(tl.int64)
+        acc += tl.load(partial_ptr + row[:, None] * cout + cols[None, :],
+                       mask=live[:, None] & (cols[None, :] < cout), other=0.0)
+    total = tl.sum(tl.reshape(acc, (BE, SLOTS, BN)), axis=0)
+    channels = tl.arange(0, SLOTS)
     out = grad_ptr + cols[None, :] * (cin * v) + channels[:, None] * v + cell
-    tl.store(out, acc, mask=mask)
+    tl.store(out, total, mask=(channels[:, None] < cin) & (cols[None, :] < cout))
