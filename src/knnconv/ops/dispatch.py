@@ -84,14 +84,15 @@ NATIVE_ORDER = ("triton", "cuda")
 TRITON_MIN_FORWARD_FLOP = 100e9
 # A few-channel stem's call that computes no input gradient: a forward-only call (inference),
 # or, replayed as a CUDA graph, a training step of an image layer (its input needs no
-# gradient). The triton backend's few-channel forward kernel took 0.38-0.75x the cuda
-# backend's time on stems of at most 64 output channels from about 2**18 output rows
-# (B * Nout) up (fovi ResNet-18 conv1 at B = 512 and 2048, the generated K = 49 stems at
-# B = 128-2048); its replayed training step without dx 0.63-0.85x there; on wider stems
-# (AlexNet's 96 channels, the ViT patch embeddings' 192-1280) the forward took 0.74-1.73x
-# and the step without dx 1.3-1.6x; a training step with dx, whose input gradient still runs
-# the zero-padded gather-GEMM, 0.84-3.2x. Eager, each triton training call costs the host
-# more: its step without dx took 1.4-1.7x cuda's at B = 128 and 512.
+# gradient). On stems of at most 64 output channels from about 2**18 output rows (B * Nout)
+# up (fovi ResNet-18 conv1 at B = 512 and 2048, the generated K = 49 stems at B = 128-2048),
+# the triton backend's few-channel forward kernel took 0.36-0.77x the cuda backend's time and
+# its replayed training step without dx 0.58-0.91x (bench/results/h200_stems_tuned.json). On
+# wider stems (AlexNet's 96 channels, the ViT patch embeddings' 192-1280) the forward took
+# 0.68-1.73x and AlexNet's replayed step without dx 0.94-1.30x; a training step with dx, whose
+# input gradient runs the zero-padded gather-GEMM, 0.76-1.87x. Eager, a triton training call
+# costs the host more: ResNet-18 conv1's step without dx took 1.3-1.7x cuda's at B = 128 and
+# 512.
 FEW_CHANNEL_FORWARD_MAX_COUT = 64
 FEW_CHANNEL_FORWARD_MIN_ROWS = 2**18
 
