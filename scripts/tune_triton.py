@@ -45,17 +45,23 @@ SPACE = {"forward": GEMM_TILES, "grad_input": GEMM_TILES,
          # a node's partial rows (its slots' channels), output columns, batch rows
          "stem_grad_weight": [(64, 64, 64, 4, 3), (128, 64, 64, 4, 3), (128, 64, 64, 8, 3),
                               (256, 64, 64, 8, 3), (256, 64, 32, 8, 4), (256, 64, 128, 8, 2),
-                              (128, 64, 128, 8, 3), (64, 64, 128, 4, 3), (256, 128, 64, 8, 2)]}
-STEM_FAMILIES = ("stem_forward", "stem_grad_weight")
+                              (128, 64, 128, 8, 3), (64, 64, 128, 4, 3), (256, 128, 64, 8, 2)],
+         # dx's slot gradients: slot rows, batch columns, output-channel chunk
+         "stem_grad_input": [(256, 64, 64, 8, 2), (256, 128, 64, 8, 2), (128, 64, 64, 4, 2),
+                             (128, 128, 64, 8, 2), (256, 32, 64, 8, 2), (256, 64, 32, 8, 3),
+                             (64, 64, 64, 4, 2)]}
+STEM_FAMILIES = ("stem_forward", "stem_grad_weight", "stem_grad_input")
 # grad_weight's programs per SM (how far each cell's steps are split), per candidate tile;
 # launch.PROGRAMS_PER_SM, the default, must be one of them
 PROGRAMS_PER_SM = (2, 8, 16)
 
 
-def fitted(family: str, plan, raw: tuple) -> configs.TileConfig | None:
+def fitted(family: str, plan, batch: int, raw: tuple) -> configs.TileConfig | None:
     """A candidate fitted to the layer as the rules' tiles are (configs.fit), or None where
     its contraction chunk does not divide the contracted channels."""
     tile = configs.TileConfig(*raw)
+    if family == "stem_grad_input":
+        return configs.fit(tile, batch, plan.cout, None)
     if family in STEM_FAMILIES:
         return configs.fit(tile, plan.cout, None, None)
     n = plan.cin if family == "grad_input" else plan.cout
@@ -73,6 +79,9 @@ def launcher(family: str, plan, batch: int, tile, operands, programs_per_sm: int
     if family == "stem_grad_weight":
         return lambda: launch.stem_grad_weight(grad_y, x, tables, nin=plan.nin, v=plan.v,
                                                tile=tile)
+    if family == "stem_grad_input":
+        return lambda: launch.stem_grad_input(grad_y, weight, tables, nin=plan.nin, v=plan.v,
+                                              tile=tile, dtype=torch.float16)
     if family == "forward":
         return lambda: launch.forward(x, weight, None, tables, nout=plan.nout, v=plan.v,
                                       tile=tile)
@@ -110,8 +119,9 @@ def tune_cell(layer, batch: int, families: list[str]) -> list[dict]:
                   "stem_forward": lambda: launch.stem_forward_tile(batch, plan.cout),
                   "stem_grad_weight": lambda: launch.stem_grad_weight_tile(batch,
                                                                            plan.cout),
+                  "stem_grad_input": lambda: launch.stem_grad_input_tile(batch, plan.cout),
                   }[family]()
-        tiles = {chosen} | {t for raw in space if (t := fitted(family, plan, raw))}
+        tiles = {chosen} | {t for raw in space if (t := fitted(family, plan, batch, raw))}
         spreads = PROGRAMS_PER_SM if family == "grad_weight" else (launch.PROGRAMS_PER_SM,)
         for tile in sorted(tiles, key=str):
             for programs_per_sm in spreads:

@@ -90,7 +90,7 @@ TRITON_MIN_FORWARD_FLOP = 100e9
 # its replayed training step without dx 0.58-0.91x (bench/results/h200_stems_tuned.json). On
 # wider stems (AlexNet's 96 channels, the ViT patch embeddings' 192-1280) the forward took
 # 0.68-1.73x and AlexNet's replayed step without dx 0.94-1.30x; a training step with dx, whose
-# input gradient runs the zero-padded gather-GEMM, 0.76-1.87x. Eager, a triton training call
+# input gradient ran the zero-padded gather-GEMM then, 0.76-1.87x. Eager, a triton training call
 # costs the host more: ResNet-18 conv1's step without dx took 1.3-1.7x cuda's at B = 128 and
 # 512.
 FEW_CHANNEL_FORWARD_MAX_COUT = 64

@@ -2,8 +2,7 @@
 interpreter (tests/conftest.py sets TRITON_INTERPRET=1 where no GPU is seen), every output
 against the float64 oracle at odd sizes, with padding, bin collisions and all-padding nodes,
 outputs NaN-poisoned before the kernels run, also on layers of few input channels (image
-stems: their own forward and dW kernels, dx over zero-padded channels); its tables, tiles and
-refusals.
+stems: their own forward, dx and dW kernels); its tables, tiles and refusals.
 
 The interpreter computes float16 dots correctly but not bfloat16 ones (Triton 3.9's interpreter
 turns bfloat16 dot operands into garbage), so bfloat16 is checked on the GPU only
@@ -111,23 +110,33 @@ def test_few_channel_kernels_against_float64_with_poisoned_outputs(name):
                             v=plan.v, tile=configs.TileConfig(32, 16, 16, 4, 2), poison=True)
     dw = launch.stem_grad_weight(gyh, x.half(), tables, nin=plan.nin, v=plan.v,
                                  tile=configs.TileConfig(16, 16, 16, 4, 2), poison=True)
+    # a workspace of one 16-row batch tile: the batch walked in chunks, the last one partial
+    dx = launch.stem_grad_input(gyh, w.half(), tables, nin=plan.nin, v=plan.v,
+                                tile=launch.stem_grad_input_tile(batch, cout), poison=True,
+                                dtype=torch.float16,
+                                workspace_bytes=4 * plan.nout * plan.k * cin * 16)
     x64, w64, b64 = (t.half().double().requires_grad_() for t in (x, w, b))
     y64 = oracle_knn_conv(x64, w64, b64, geometry)
     y64.backward(gy.half().double())
-    dw64 = torch.zeros_like(w64) if w64.grad is None else w64.grad
-    for label, got, want in (("y", y, y64), ("dw", dw, dw64)):
+    dx64, dw64 = (torch.zeros_like(t) if t.grad is None else t.grad for t in (x64, w64))
+    for label, got, want in (("y", y, y64), ("dx", dx, dx64), ("dw", dw, dw64)):
         assert got.shape == want.shape, label
         assert rel_err(got, want) < TOLERANCE, label
     assert y.transpose(1, 2).is_contiguous() and dw.dtype == torch.float32
+    assert dx.dtype == torch.float16
 
 
-def test_the_few_channel_weight_gradient_is_bit_identical_from_run_to_run():
-    _, plan, (x, _, _, gy) = make_case(3, 33, 3, 32, nin=50, nout=20, k=9, padding=0.2)
+def test_the_few_channel_gradients_are_bit_identical_from_run_to_run():
+    _, plan, (x, w, _, gy) = make_case(3, 33, 3, 32, nin=50, nout=20, k=9, padding=0.2)
     tables = get_ops("triton").stem_tables(plan, CPU)
-    runs = [launch.stem_grad_weight(channels_last(gy.half()), x.half(), tables, nin=plan.nin,
-                                    v=plan.v, tile=configs.TileConfig(16, 16, 16, 4, 2))
+    gyh = channels_last(gy.half())
+    runs = [(launch.stem_grad_weight(gyh, x.half(), tables, nin=plan.nin, v=plan.v,
+                                     tile=configs.TileConfig(16, 16, 16, 4, 2)),
+             launch.stem_grad_input(gyh, w.half(), tables, nin=plan.nin, v=plan.v,
+                                    tile=launch.stem_grad_input_tile(33, 32),
+                                    dtype=torch.float32))
             for _ in range(3)]
-    assert all(torch.equal(run, runs[0]) for run in runs[1:])
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(run, runs[0], strict=True))
 
 
 def test_the_weight_gradient_is_the_same_however_the_pairs_are_split():

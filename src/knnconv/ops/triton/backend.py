@@ -3,9 +3,9 @@
 
 It reads x and grad_y in channels-last storage, where a neighbour's rows for a batch tile are
 one box; operands in other storage are re-laid out once per call. Layers of fewer than 16
-input channels (image stems) run their forward and dW on the few-channel kernels
-(knnconv.ops.triton.stem_kernels), and their dx over channels zero-padded to 16. Every
-output element is written once and dW sums fixed partials, so the backward is deterministic
+input channels (image stems) run on the few-channel kernels
+(knnconv.ops.triton.stem_kernels). Every output element is written once and dW and a
+stem's dx sum fixed partials, so the backward is deterministic
 and this backend serves under ``torch.use_deterministic_algorithms(True)``. Under Triton's
 interpreter (``TRITON_INTERPRET=1``) it also runs on CPU tensors, which is how the tests check
 it without a GPU.
@@ -140,12 +140,14 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
         device, batch = grad_y.device, grad_y.shape[0]
         grad_dtypes = tuple(torch.float32 if d is None else d for d in dtypes)
         gy = self._boxable(grad_y)
-        # dx always on the gather-GEMM (a stem's over zero-padded channels); dW of a
-        # few-channel layer on its own kernels
+        # a few-channel layer's dx and dW on its own kernels, any other's on the gather-GEMMs
         cin = launch.padded_channels(plan.cin)
         few = few_channels(plan.cin)
         keys, grads = {}, [None, None, None]
-        if need_input:
+        if need_input and few:
+            tile = launch.stem_grad_input_tile(batch, plan.cout)
+            keys["input"] = ("stem_grad_input", grad_y.dtype, tile, device, grad_dtypes[0])
+        elif need_input:
             tile = launch.grad_input_tile(batch, cin, plan.cout, plan.nin)
             keys["input"] = ("grad_input", grad_y.dtype, tile, device, grad_dtypes[0])
         if need_weight and few:
@@ -158,7 +160,11 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
                 entries=plan.entry_count, processors=self._processors(device))
             keys["weight"] = ("grad_weight", grad_y.dtype, tile_w, device, splits)
         first = {role for role, key in keys.items() if self._first_use(key)}
-        if need_input:
+        if need_input and few:
+            grads[0] = launch.stem_grad_input(gy, weight, self.stem_tables(plan, device),
+                                              nin=plan.nin, v=plan.v, tile=tile,
+                                              dtype=grad_dtypes[0], poison="input" in first)
+        elif need_input:
             grads[0] = launch.grad_input(gy, self._kernel_weight(plan, weight),
                                          self.tables(plan, device), nin=plan.nin, v=plan.v,
                                          tile=tile, dtype=grad_dtypes[0],

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-FAMILIES = ("forward", "grad_input", "grad_weight", "stem_forward", "stem_grad_weight")
+FAMILIES = ("forward", "grad_input", "grad_weight", "stem_forward", "stem_grad_weight",
+            "stem_grad_input")
 CONDITIONS = ("max_batch", "min_batch", "min_n", "min_programs")
 MIN_BLOCK = 16  # the smallest dot extent Triton takes, and a 16-byte TMA box row of fp16
 MAX_BLOCK = 256  # the largest extent of a TMA box
@@ -16,7 +17,7 @@ MAX_BLOCK = 256  # the largest extent of a TMA box
 
 def few_channels(cin: int) -> bool:
     """Whether a layer of ``cin`` input channels runs the few-channel kernels
-    (knnconv.ops.triton.stem_kernels) in its forward and dW: fewer than a contraction chunk."""
+    (knnconv.ops.triton.stem_kernels): fewer than a contraction chunk."""
     return cin < MIN_BLOCK
 
 

@@ -23,6 +23,8 @@ from .stem_kernels import (
     knn_stem_cell_sum_kernel,
     knn_stem_forward_kernel,
     knn_stem_grad_weight_kernel,
+    knn_stem_pair_sum_kernel,
+    knn_stem_slot_grad_kernel,
 )
 from .tables import StemTables, TritonTables
 
@@ -32,8 +34,14 @@ TMA_ALIGNMENT = 16  # bytes: a tensor map's base address and row strides
 # measured (bench/NOTES.md, 2026-12-03): more programs hide the latency of each step's loads
 PROGRAMS_PER_SM = 8
 MIN_STEPS_PER_SPLIT = 16
-# the few-channel dW's per-cell sum loads this many (node, slot) entries of its cell per step
-CELL_SUM_ENTRIES = 32
+# the few-channel kernels' sums (dW per cell, dx per input node) load this many table
+# entries per step
+SUM_ENTRIES = 32
+# the few-channel dx's slot gradients Q (float32 [Nout, K*Cin, batch chunk]) take at most this
+# many bytes: the batch is walked in chunks of Q's size
+STEM_SLOT_GRAD_BYTES = 512 * 2**20
+# the batch columns one program of the few-channel dx's per-input-node sum writes
+PAIR_SUM_BATCH = 64
 
 
 def boxable(t: torch.Tensor) -> bool:
@@ -112,6 +120,11 @@ def stem_forward_tile(batch: int, cout: int) -> TileConfig:
 @cache
 def stem_grad_weight_tile(batch: int, cout: int) -> TileConfig:
     return tile_config("stem_grad_weight", batch=batch, n=cout)
+
+
+@cache
+def stem_grad_input_tile(batch: int, cout: int) -> TileConfig:
+    return tile_config("stem_grad_input", batch=batch, n=batch, contracted_channels=cout)
 
 
 def grad_weight_splits(tile: TileConfig, *, batch: int, cin: int, cout: int, v: int,
@@ -239,5 +252,37 @@ def stem_grad_weight(grad_y: torch.Tensor, x: torch.Tensor, tables: StemTables, 
     grad = _poisoned_or_empty((cout, cin * v), torch.float32, x.device, poison)
     knn_stem_cell_sum_kernel[(v, triton.cdiv(cout, tile.block_n))](
         partial, grad, tables.cell_start, tables.cell_slot, cin, cout, v, k, partial_rows,
-        SLOTS=slots, BE=CELL_SUM_ENTRIES, BN=tile.block_n, num_warps=4)
+        SLOTS=slots, BE=SUM_ENTRIES, BN=tile.block_n, num_warps=4)
     return grad
+
+
+def stem_grad_input(grad_y: torch.Tensor, weight: torch.Tensor, tables: StemTables, *,
+                    nin: int, v: int, tile: TileConfig, dtype: torch.dtype,
+                    poison: bool = False,
+                    workspace_bytes: int = STEM_SLOT_GRAD_BYTES) -> torch.Tensor:
+    """The few-channel dx [B, Cin, Nin] in ``dtype``, the view of a contiguous [Nin, Cin, B]
+    buffer, deterministic; grad_y [B, Cout, Nout] must be :func:`boxable`. Per chunk of the
+    batch, each output node's slot gradients are written once (float32, at most
+    ``workspace_bytes``), then summed per input node over the pairs that read it."""
+    batch, cout, nout = grad_y.shape
+    cin = weight.shape[1] // v
+    k = tables.neighbour.shape[1]
+    rows = k * cin
+    cells = weight_by_cell(weight, cin, v, reverse=False)
+    dxt = _poisoned_or_empty((nin, cin, batch), dtype, grad_y.device, poison)
+    chunk = max(tile.block_n, workspace_bytes // (4 * nout * rows) // tile.block_n
+                * tile.block_n)
+    chunk = min(chunk, triton.cdiv(batch, tile.block_n) * tile.block_n)
+    slot_grads = torch.empty((nout, rows, chunk), dtype=torch.float32, device=grad_y.device)
+    descriptor = rows_descriptor(grad_y, (tile.block_n, tile.block_k))
+    for start in range(0, batch, chunk):
+        size = min(chunk, batch - start)
+        knn_stem_slot_grad_kernel[(nout, triton.cdiv(rows, tile.block_m),
+                                   triton.cdiv(size, tile.block_n))](
+            descriptor, cells, slot_grads, tables.neighbour, tables.cell, start, chunk, nin,
+            cin, cout, k, BR=tile.block_m, BB=tile.block_n, BO=tile.block_k,
+            num_warps=tile.warps, num_stages=tile.stages)
+        knn_stem_pair_sum_kernel[(nin, triton.cdiv(size, PAIR_SUM_BATCH))](
+            slot_grads, dxt, tables.pair_start, tables.pair_slot, batch, start, chunk, size,
+            cin, SLOTS=channel_slots(cin), BE=SUM_ENTRIES, BB=PAIR_SUM_BATCH, num_warps=4)
+    return dxt.permute(2, 1, 0)

@@ -16,6 +16,12 @@ the last step's slots past K.
   the batch of xt[knn[k, n], c, b] * grad_y[b, n, o], written once; the partials are then
   summed per kernel cell in a fixed order (``knn_stem_cell_sum_kernel``), so dW is
   deterministic.
+- dx in two passes, so that grad_y is read once, not once per neighbour slot (K times, as the
+  reversed-graph gather-GEMM reads it, over channels zero-padded to 16):
+  ``knn_stem_slot_grad_kernel`` gives each output node n its slots' gradients
+  Q_n[(k, c), b] = sum over o of W[o, c*V + cell[n, k]] * grad_y[b, n, o] (float32, batch
+  innermost); ``knn_stem_pair_sum_kernel`` then sums, for each input node m, the rows of the
+  (n, k) pairs that read m, in a fixed order: dx[b, m, c], deterministic.
 """
 
 from __future__ import annotations
@@ -111,3 +117,63 @@ def knn_stem_cell_sum_kernel(partial_ptr, grad_ptr, start_ptr, slot_ptr,
     channels = tl.arange(0, SLOTS)
     out = grad_ptr + cols[None, :] * (cin * v) + channels[:, None] * v + cell
     tl.store(out, total, mask=(channels[:, None] < cin) & (cols[None, :] < cout))
+
+
+@triton.jit
+def knn_stem_slot_grad_kernel(gy_desc, w_ptr, q_ptr, neighbour_ptr, cell_ptr,
+                              batch_start, chunk, nin, cin, cout, k,
+                              BR: tl.constexpr, BB: tl.constexpr, BO: tl.constexpr):
+    # Q[n, r, b - batch_start] for the node's slot rows r = k*Cin + c and one batch tile of the
+    # chunk: W's rows of the node's slots [BR, BO] @ grad_y's box of the node [BB, BO]^T, over
+    # output-channel chunks (BO divides Cout, so a box never reads the next node's columns)
+    node = tl.program_id(0)
+    r0 = tl.program_id(1) * BR
+    b0 = tl.program_id(2) * BB
+    rows = r0 + tl.arange(0, BR)
+    slot = rows // cin
+    channel = rows % cin
+    in_table = slot < k
+    neighbour = tl.load(neighbour_ptr + node * k + slot, mask=in_table, other=nin)
+    cell = tl.load(cell_ptr + node * k + slot, mask=in_table, other=0)
+    real = neighbour < nin
+    acc = tl.zeros((BR, BB), dtype=tl.float32)
+    for o0 in range(0, cout, BO):
+        cols = o0 + tl.arange(0, BO)
+        w = tl.load(w_ptr + (cell * cin + channel)[:, None] * cout + cols[None, :],
+                    mask=real[:, None], other=0.0)
+        g = gy_desc.load([batch_start + b0, node * cout + o0])
+        acc = tl.dot(w, tl.trans(g), acc)
+    batch_cols = b0 + tl.arange(0, BB)
+    out = q_ptr + (node * k * cin + rows[:, None]).to(tl.int64) * chunk + batch_cols[None, :]
+    tl.store(out, acc, mask=in_table[:, None] & (batch_cols[None, :] < chunk))
+
+
+@triton.jit
+def knn_stem_pair_sum_kernel(q_ptr, dxt_ptr, start_ptr, pair_ptr,
+                             batch, batch_start, chunk, size, cin,
+                             SLOTS: tl.constexpr, BE: tl.constexpr, BB: tl.constexpr):
+    # dxt[m, c, batch_start + b] = sum over input node m's pairs (n, k) of Q[n, k*Cin + c, b]
+    # for the chunk's first ``size`` batch rows (Q's rows hold ``chunk``), BE pairs a step into
+    # BE running sums added up in a fixed order at the end (as knn_stem_cell_sum_kernel)
+    node = tl.program_id(0)
+    b0 = tl.program_id(1) * BB
+    rows = tl.arange(0, BE * SLOTS)  # pair rows // SLOTS of a step, channel rows % SLOTS
+    channel = rows % SLOTS
+    batch_cols = b0 + tl.arange(0, BB)
+    in_chunk = batch_cols < size
+    first = tl.load(start_ptr + node)
+    last = tl.load(start_ptr + node + 1)
+    acc = tl.zeros((BE * SLOTS, BB), dtype=tl.float32)
+    for e0 in range(first, last, BE):
+        pair = e0 + rows // SLOTS
+        live = (pair < last) & (channel < cin)
+        slot = tl.load(pair_ptr + pair, mask=live, other=0)  # n * K + k
+        row = (slot * cin + channel).to(tl.int64)
+        acc += tl.load(q_ptr + row[:, None] * chunk + batch_cols[None, :],
+                       mask=live[:, None] & in_chunk[None, :], other=0.0)
+    total = tl.sum(tl.reshape(acc, (BE, SLOTS, BB)), axis=0)
+    channels = tl.arange(0, SLOTS)
+    out = dxt_ptr + (node * cin + channels[:, None]).to(tl.int64) * batch + batch_start \
+        + batch_cols[None, :]
+    tl.store(out, total.to(dxt_ptr.dtype.element_ty),
+             mask=(channels[:, None] < cin) & in_chunk[None, :])

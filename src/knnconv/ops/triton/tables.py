@@ -36,12 +36,16 @@ class TritonTables:
 class StemTables:
     """The tables of the few-channel kernels (knnconv.ops.triton.stem_kernels): node n's K
     slots are neighbour[n, :] (Nin for padding) and cell[n, :]; kernel cell v's real slots
-    are [cell_start[v], cell_start[v+1]) of cell_slot (n*K + k, in node order). All int32."""
+    are [cell_start[v], cell_start[v+1]) of cell_slot (n*K + k, in node order); input node
+    m's real slots (the pairs that read it) are [pair_start[m], pair_start[m+1]) of pair_slot
+    (n*K + k, in node order). All int32."""
 
     neighbour: torch.Tensor  # [Nout, K]
     cell: torch.Tensor  # [Nout, K]
     cell_start: torch.Tensor  # [V + 1]
     cell_slot: torch.Tensor  # [entries]
+    pair_start: torch.Tensor  # [Nin + 1]
+    pair_slot: torch.Tensor  # [entries]
 
 
 def _starts(keys: torch.Tensor, groups: int) -> torch.Tensor:
@@ -85,8 +89,10 @@ def build_stem_tables(knn_indices: torch.Tensor, rf_index: torch.Tensor, *, nin:
     on their device."""
     neighbours, cells, real = _node_major(knn_indices, rf_index, nin)
     slots = torch.arange(real.numel(), device=real.device).view_as(real)[real]
-    cell = cells[real]
+    cell, m = cells[real], neighbours[real]
     return StemTables(
         neighbour=neighbours.int().contiguous(), cell=cells.int().contiguous(),
         cell_start=_starts(cell, v),
-        cell_slot=slots[torch.argsort(cell, stable=True)].int().contiguous())
+        cell_slot=slots[torch.argsort(cell, stable=True)].int().contiguous(),
+        pair_start=_starts(m, nin),
+        pair_slot=slots[torch.argsort(m, stable=True)].int().contiguous())
