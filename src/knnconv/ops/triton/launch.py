@@ -20,10 +20,9 @@ from .kernels import (
     knn_conv_grad_weight_kernel,
 )
 from .stem_kernels import (
-    knn_stem_cell_sum_kernel,
+    knn_stem_entry_sum_kernel,
     knn_stem_forward_kernel,
     knn_stem_grad_weight_kernel,
-    knn_stem_pair_sum_kernel,
     knn_stem_slot_grad_kernel,
 )
 from .tables import StemTables, TritonTables
@@ -241,18 +240,19 @@ def stem_grad_weight(grad_y: torch.Tensor, x: torch.Tensor, tables: StemTables, 
     cout, nout = grad_y.shape[1], grad_y.shape[2]
     k = tables.neighbour.shape[1]
     slots = channel_slots(cin)
-    partial_rows = triton.cdiv(k * slots, tile.block_m) * tile.block_m
-    partial = _poisoned_or_empty((nout, partial_rows, cout), torch.float32, x.device, poison)
-    grid = (nout, partial_rows // tile.block_m, triton.cdiv(cout, tile.block_n))
+    rows = k * slots
+    partial = _poisoned_or_empty((nout, rows, cout), torch.float32, x.device, poison)
+    grid = (nout, triton.cdiv(rows, tile.block_m), triton.cdiv(cout, tile.block_n))
     knn_stem_grad_weight_kernel[grid](
         batch_innermost(x), rows_descriptor(grad_y, (tile.block_k, tile.block_n)), partial,
-        tables.neighbour, batch, nin, cin, cout, k, partial_rows, SLOTS=slots,
+        tables.neighbour, batch, nin, cin, cout, k, SLOTS=slots,
         BM=tile.block_m, BN=tile.block_n, BB=tile.block_k, num_warps=tile.warps,
         num_stages=tile.stages)
     grad = _poisoned_or_empty((cout, cin * v), torch.float32, x.device, poison)
-    knn_stem_cell_sum_kernel[(v, triton.cdiv(cout, tile.block_n))](
-        partial, grad, tables.cell_start, tables.cell_slot, cin, cout, v, k, partial_rows,
-        SLOTS=slots, BE=SUM_ENTRIES, BN=tile.block_n, num_warps=4)
+    # grad[o, c*V + cell]: a cell's sum is group cell, channel stride V, column stride Cin*V
+    knn_stem_entry_sum_kernel[(v, triton.cdiv(cout, tile.block_n))](
+        partial, grad, tables.cell_start, tables.cell_slot, cout, cout, cin, slots,
+        1, v, cin * v, 0, SLOTS=slots, BE=SUM_ENTRIES, BN=tile.block_n, num_warps=4)
     return grad
 
 
@@ -282,7 +282,9 @@ def stem_grad_input(grad_y: torch.Tensor, weight: torch.Tensor, tables: StemTabl
             descriptor, cells, slot_grads, tables.neighbour, tables.cell, start, chunk, nin,
             cin, cout, k, BR=tile.block_m, BB=tile.block_n, BO=tile.block_k,
             num_warps=tile.warps, num_stages=tile.stages)
-        knn_stem_pair_sum_kernel[(nin, triton.cdiv(size, PAIR_SUM_BATCH))](
-            slot_grads, dxt, tables.pair_start, tables.pair_slot, batch, start, chunk, size,
-            cin, SLOTS=channel_slots(cin), BE=SUM_ENTRIES, BB=PAIR_SUM_BATCH, num_warps=4)
+        # dxt[m, c, start + b]: an input node's sum is group m, channel stride B
+        knn_stem_entry_sum_kernel[(nin, triton.cdiv(size, PAIR_SUM_BATCH))](
+            slot_grads, dxt, tables.pair_start, tables.pair_slot, chunk, size, cin, cin,
+            cin * batch, batch, 1, start, SLOTS=channel_slots(cin), BE=SUM_ENTRIES,
+            BN=PAIR_SUM_BATCH, num_warps=4)
     return dxt.permute(2, 1, 0)

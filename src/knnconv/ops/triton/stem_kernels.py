@@ -14,13 +14,13 @@ the last step's slots past K.
   [V*Cin, Cout].
 - ``knn_stem_grad_weight_kernel``: per output node n, its partial P_n[(k, c), o] = sum over
   the batch of xt[knn[k, n], c, b] * grad_y[b, n, o], written once; the partials are then
-  summed per kernel cell in a fixed order (``knn_stem_cell_sum_kernel``), so dW is
+  summed per kernel cell in a fixed order (``knn_stem_entry_sum_kernel``), so dW is
   deterministic.
 - dx in two passes, so that grad_y is read once, not once per neighbour slot (K times, as the
   reversed-graph gather-GEMM reads it, over channels zero-padded to 16):
   ``knn_stem_slot_grad_kernel`` gives each output node n its slots' gradients
   Q_n[(k, c), b] = sum over o of W[o, c*V + cell[n, k]] * grad_y[b, n, o] (float32, batch
-  innermost); ``knn_stem_pair_sum_kernel`` then sums, for each input node m, the rows of the
+  innermost); ``knn_stem_entry_sum_kernel`` then sums, for each input node m, the rows of the
   (n, k) pairs that read m, in a fixed order: dx[b, m, c], deterministic.
 """
 
@@ -64,7 +64,7 @@ def knn_stem_forward_kernel(xt_ptr, w_ptr, y_ptr, bias_ptr, neighbour_ptr, cell_
 
 @triton.jit
 def knn_stem_grad_weight_kernel(xt_ptr, gy_desc, partial_ptr, neighbour_ptr,
-                                batch, nin, cin, cout, k, partial_rows,
+                                batch, nin, cin, cout, k,
                                 SLOTS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                                 BB: tl.constexpr):
     node = tl.program_id(0)
@@ -85,38 +85,9 @@ def knn_stem_grad_weight_kernel(xt_ptr, gy_desc, partial_ptr, neighbour_ptr,
         g = gy_desc.load([b0, node * cout + o0])
         acc = tl.dot(a, g, acc)
     cols = o0 + tl.arange(0, BN)
-    out = partial_ptr + (node * partial_rows + slot_rows[:, None]).to(tl.int64) * cout \
+    out = partial_ptr + (node * k * SLOTS + slot_rows[:, None]).to(tl.int64) * cout \
         + cols[None, :]
-    tl.store(out, acc, mask=(slot_rows[:, None] < partial_rows) & (cols[None, :] < cout))
-
-
-@triton.jit
-def knn_stem_cell_sum_kernel(partial_ptr, grad_ptr, start_ptr, slot_ptr,
-                             cin, cout, v, k, partial_rows,
-                             SLOTS: tl.constexpr, BE: tl.constexpr, BN: tl.constexpr):
-    # dW[o, c*V + cell] = sum over the cell's (node, slot) entries of P_node[slot*SLOTS + c, o]:
-    # one program per (cell, column tile), every channel at once. BE entries are loaded per
-    # step (a cell has hundreds to thousands, one load each would leave the loop waiting on
-    # memory) into BE running sums, added up in a fixed order at the end: deterministic.
-    cell = tl.program_id(0)
-    o0 = tl.program_id(1) * BN
-    rows = tl.arange(0, BE * SLOTS)  # entry rows // SLOTS of a step, channel rows % SLOTS
-    channel = rows % SLOTS
-    cols = o0 + tl.arange(0, BN)
-    first = tl.load(start_ptr + cell)
-    last = tl.load(start_ptr + cell + 1)
-    acc = tl.zeros((BE * SLOTS, BN), dtype=tl.float32)
-    for e0 in range(first, last, BE):
-        entry = e0 + rows // SLOTS
-        live = (entry < last) & (channel < cin)
-        node_slot = tl.load(slot_ptr + entry, mask=live, other=0)  # node * K + slot
-        row = ((node_slot // k) * partial_rows + (node_slot % k) * SLOTS + channel).to(tl.int64)
-        acc += tl.load(partial_ptr + row[:, None] * cout + cols[None, :],
-                       mask=live[:, None] & (cols[None, :] < cout), other=0.0)
-    total = tl.sum(tl.reshape(acc, (BE, SLOTS, BN)), axis=0)
-    channels = tl.arange(0, SLOTS)
-    out = grad_ptr + cols[None, :] * (cin * v) + channels[:, None] * v + cell
-    tl.store(out, total, mask=(channels[:, None] < cin) & (cols[None, :] < cout))
+    tl.store(out, acc, mask=in_table[:, None] & (cols[None, :] < cout))
 
 
 @triton.jit
@@ -149,31 +120,37 @@ def knn_stem_slot_grad_kernel(gy_desc, w_ptr, q_ptr, neighbour_ptr, cell_ptr,
 
 
 @triton.jit
-def knn_stem_pair_sum_kernel(q_ptr, dxt_ptr, start_ptr, pair_ptr,
-                             batch, batch_start, chunk, size, cin,
-                             SLOTS: tl.constexpr, BE: tl.constexpr, BB: tl.constexpr):
-    # dxt[m, c, batch_start + b] = sum over input node m's pairs (n, k) of Q[n, k*Cin + c, b]
-    # for the chunk's first ``size`` batch rows (Q's rows hold ``chunk``), BE pairs a step into
-    # BE running sums added up in a fixed order at the end (as knn_stem_cell_sum_kernel)
-    node = tl.program_id(0)
-    b0 = tl.program_id(1) * BB
-    rows = tl.arange(0, BE * SLOTS)  # pair rows // SLOTS of a step, channel rows % SLOTS
+def knn_stem_entry_sum_kernel(source_ptr, out_ptr, start_ptr, entry_ptr,
+                              source_columns, columns, channels, entry_rows,
+                              out_group_stride, out_channel_stride, out_column_stride,
+                              out_column_start,
+                              SLOTS: tl.constexpr, BE: tl.constexpr, BN: tl.constexpr):
+    # out[group, c, column] = sum over the group's entries e, in table order, of
+    # source[entry[e] * entry_rows + c, column]: a kernel cell's (node, slot) entries over the
+    # dW partials (entry_rows = SLOTS), or an input node's pairs over dx's slot gradients
+    # (entry_rows = Cin). One program per (group, column tile), every channel at once. BE
+    # entries are loaded per step (a group has hundreds to thousands, one load each would leave
+    # the loop waiting on memory) into BE running sums, added up in a fixed order at the end:
+    # deterministic.
+    group = tl.program_id(0)
+    c0 = tl.program_id(1) * BN
+    rows = tl.arange(0, BE * SLOTS)  # entry rows // SLOTS of a step, channel rows % SLOTS
     channel = rows % SLOTS
-    batch_cols = b0 + tl.arange(0, BB)
-    in_chunk = batch_cols < size
-    first = tl.load(start_ptr + node)
-    last = tl.load(start_ptr + node + 1)
-    acc = tl.zeros((BE * SLOTS, BB), dtype=tl.float32)
+    cols = c0 + tl.arange(0, BN)
+    in_columns = cols < columns
+    first = tl.load(start_ptr + group)
+    last = tl.load(start_ptr + group + 1)
+    acc = tl.zeros((BE * SLOTS, BN), dtype=tl.float32)
     for e0 in range(first, last, BE):
-        pair = e0 + rows // SLOTS
-        live = (pair < last) & (channel < cin)
-        slot = tl.load(pair_ptr + pair, mask=live, other=0)  # n * K + k
-        row = (slot * cin + channel).to(tl.int64)
-        acc += tl.load(q_ptr + row[:, None] * chunk + batch_cols[None, :],
-                       mask=live[:, None] & in_chunk[None, :], other=0.0)
-    total = tl.sum(tl.reshape(acc, (BE, SLOTS, BB)), axis=0)
-    channels = tl.arange(0, SLOTS)
-    out = dxt_ptr + (node * cin + channels[:, None]).to(tl.int64) * batch + batch_start \
-        + batch_cols[None, :]
-    tl.store(out, total.to(dxt_ptr.dtype.element_ty),
-             mask=(channels[:, None] < cin) & in_chunk[None, :])
+        entry = e0 + rows // SLOTS
+        live = (entry < last) & (channel < channels)
+        row = (tl.load(entry_ptr + entry, mask=live, other=0) * entry_rows + channel).to(tl.int64)
+        acc += tl.load(source_ptr + row[:, None] * source_columns + cols[None, :],
+                       mask=live[:, None] & in_columns[None, :], other=0.0)
+    total = tl.sum(tl.reshape(acc, (BE, SLOTS, BN)), axis=0)
+    out_channels = tl.arange(0, SLOTS)
+    out = out_ptr + group.to(tl.int64) * out_group_stride \
+        + out_channels[:, None] * out_channel_stride \
+        + (out_column_start + cols[None, :]).to(tl.int64) * out_column_stride
+    tl.store(out, total.to(out_ptr.dtype.element_ty),
+             mask=(out_channels[:, None] < channels) & in_columns[None, :])
