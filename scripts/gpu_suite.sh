@@ -16,7 +16,8 @@
 # (host.json), fovi whole-model (h200_fovi_models.*, the depthwise families'
 # h200_families_fovi_models.*, the larger sensor's h200_in128_fovi_models.*) and fovi-kernel
 # benchmarks' JSON/PNG
-# the pooling layers' (fovi_pools.json) and the gather tuner's (tune_gather.json), in
+# the pooling layers' (fovi_pools.json), the stems' (h200_stems.*, tune_stems.json) and the
+# gather tuner's (tune_gather.json), in
 # OUTDIR/logs.tar.gz (the fovi_kernels and
 # convergence stages need fovi, from WHEEL_DIR); each stage's exit status and time are
 # summarised in OUTDIR/summary.txt.
@@ -81,6 +82,12 @@ stage bench_binned 120 python3 -m knnconv.tools.bench --geometry "$geometry" --o
   --warmup 1 --name h200_binned
 stage fovi_kernels 240 python3 scripts/bench_fovi_kernels.py "$geometry" \
   "$out/logs/fovi_kernels.json" --stems
+# the image stems (fovi's and generated) on both native backends and auto, with and without
+# their input gradient, eager and replayed
+stage stems 150 python3 -m knnconv.tools.bench --geometry "$geometry" --stems --layers :conv1 \
+  --layers layers.0.conv --layers stem --dtypes float16 --backends cuda,triton,auto \
+  --modes forward,train,train_no_dx,train_graph,train_graph_no_dx --out "$out/logs" \
+  --name h200_stems
 stage host 60 python3 scripts/bench_host.py "$geometry" "$out/logs/host.json"
 stage neighbourhood 120 python3 scripts/bench_neighbourhood.py "$out/logs/neighbourhood.json"
 # every pooling layer of fovi's ResNet-18 and AlexNet, forward and backward against the
@@ -110,6 +117,10 @@ stage profile 60 env KNNCONV_CPROFILE=1 python3 scripts/profile_cells.py "$geome
 stage profile_triton 60 env KNNCONV_CPROFILE=1 KNNCONV_PROFILE_BACKEND=triton \
   python3 scripts/profile_cells.py "$geometry" rfmult-2:layer4.0.conv2:512 \
   rfmult-2:layer1.0.conv1:2048 rfmult-2:layers.1.conv:2048
+# the few-channel kernels' tiles on the published stems
+stage tune_stems 120 env KNNCONV_TUNE_FAMILIES=stem_forward,stem_grad_weight,stem_grad_input \
+  python3 scripts/tune_triton.py "$geometry" "$out/logs/tune_stems.json" rfmult-2:conv1:512 \
+  rfmult-2:conv1:2048 rf1:conv1:2048 rfmult-1:layers.0.conv:2048
 # the triton kernels' tiles (and grad_weight's split) on published layers
 stage tune_triton 300 python3 scripts/tune_triton.py "$geometry" "$out/logs/tune_triton.json" \
   rfmult-2:layer1.0.conv1:2048 rfmult-2:layer3.0.conv2:2048 rfmult-2:layer4.0.conv1:512 \
