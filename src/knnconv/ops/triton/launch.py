@@ -245,7 +245,7 @@ def stem_grad_weight(grad_y: torch.Tensor, x: torch.Tensor, tables: StemTables, 
     grid = (nout, triton.cdiv(rows, tile.block_m), triton.cdiv(cout, tile.block_n))
     knn_stem_grad_weight_kernel[grid](
         batch_innermost(x), rows_descriptor(grad_y, (tile.block_k, tile.block_n)), partial,
-        tables.neighbour, batch, nin, cin, cout, k, SLOTS=slots,
+        tables.neighbour, tables.cell, batch, nin, cin, cout, k, SLOTS=slots,
         BM=tile.block_m, BN=tile.block_n, BB=tile.block_k, num_warps=tile.warps,
         num_stages=tile.stages)
     grad = _poisoned_or_empty((cout, cin * v), torch.float32, x.device, poison)

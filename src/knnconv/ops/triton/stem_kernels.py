@@ -31,6 +31,17 @@ import triton.language as tl
 
 
 @triton.jit
+def _node_slots(neighbour_ptr, cell_ptr, node, rows, per_slot, k, nin):
+    """A node's contraction rows: row r is channel r % per_slot of slot r // per_slot. Returns
+    (channel, in_table, neighbour, cell); a slot past K reads as padding (Nin, cell 0)."""
+    slot = rows // per_slot
+    in_table = slot < k
+    neighbour = tl.load(neighbour_ptr + node * k + slot, mask=in_table, other=nin)
+    cell = tl.load(cell_ptr + node * k + slot, mask=in_table, other=0)
+    return rows % per_slot, in_table, neighbour, cell
+
+
+@triton.jit
 def knn_stem_forward_kernel(xt_ptr, w_ptr, y_ptr, bias_ptr, neighbour_ptr, cell_ptr,
                             batch, nin, nout, cin, cout, k,
                             HAS_BIAS: tl.constexpr, SLOTS: tl.constexpr, BM: tl.constexpr,
@@ -43,11 +54,8 @@ def knn_stem_forward_kernel(xt_ptr, w_ptr, y_ptr, bias_ptr, neighbour_ptr, cell_
     step_rows = tl.arange(0, BK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, k, BK // SLOTS):
-        slot = k0 + step_rows // SLOTS
-        channel = step_rows % SLOTS
-        in_table = slot < k
-        neighbour = tl.load(neighbour_ptr + node * k + slot, mask=in_table, other=nin)
-        cell = tl.load(cell_ptr + node * k + slot, mask=in_table, other=0)
+        channel, _, neighbour, cell = _node_slots(neighbour_ptr, cell_ptr, node,
+                                                  k0 * SLOTS + step_rows, SLOTS, k, nin)
         real = (neighbour < nin) & (channel < cin)
         xt_rows = (neighbour * cin + channel).to(tl.int64) * batch
         a = tl.load(xt_ptr + xt_rows[:, None] + rows[None, :],
@@ -63,7 +71,7 @@ def knn_stem_forward_kernel(xt_ptr, w_ptr, y_ptr, bias_ptr, neighbour_ptr, cell_
 
 
 @triton.jit
-def knn_stem_grad_weight_kernel(xt_ptr, gy_desc, partial_ptr, neighbour_ptr,
+def knn_stem_grad_weight_kernel(xt_ptr, gy_desc, partial_ptr, neighbour_ptr, cell_ptr,
                                 batch, nin, cin, cout, k,
                                 SLOTS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                                 BB: tl.constexpr):
@@ -71,10 +79,8 @@ def knn_stem_grad_weight_kernel(xt_ptr, gy_desc, partial_ptr, neighbour_ptr,
     r0 = tl.program_id(1) * BM
     o0 = tl.program_id(2) * BN
     slot_rows = r0 + tl.arange(0, BM)
-    slot = slot_rows // SLOTS
-    channel = slot_rows % SLOTS
-    in_table = slot < k
-    neighbour = tl.load(neighbour_ptr + node * k + slot, mask=in_table, other=nin)
+    channel, in_table, neighbour, _ = _node_slots(neighbour_ptr, cell_ptr, node, slot_rows,
+                                                  SLOTS, k, nin)
     real = (neighbour < nin) & (channel < cin)
     xt_rows = (neighbour * cin + channel).to(tl.int64) * batch
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -101,11 +107,8 @@ def knn_stem_slot_grad_kernel(gy_desc, w_ptr, q_ptr, neighbour_ptr, cell_ptr,
     r0 = tl.program_id(1) * BR
     b0 = tl.program_id(2) * BB
     rows = r0 + tl.arange(0, BR)
-    slot = rows // cin
-    channel = rows % cin
-    in_table = slot < k
-    neighbour = tl.load(neighbour_ptr + node * k + slot, mask=in_table, other=nin)
-    cell = tl.load(cell_ptr + node * k + slot, mask=in_table, other=0)
+    channel, in_table, neighbour, cell = _node_slots(neighbour_ptr, cell_ptr, node, rows, cin,
+                                                     k, nin)
     real = neighbour < nin
     acc = tl.zeros((BR, BB), dtype=tl.float32)
     for o0 in range(0, cout, BO):
