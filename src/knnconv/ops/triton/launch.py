@@ -263,7 +263,8 @@ def stem_grad_input(grad_y: torch.Tensor, weight: torch.Tensor, tables: StemTabl
     """The few-channel dx [B, Cin, Nin] in ``dtype``, the view of a contiguous [Nin, Cin, B]
     buffer, deterministic; grad_y [B, Cout, Nout] must be :func:`boxable`. Per chunk of the
     batch, each output node's slot gradients are written once (float32, at most
-    ``workspace_bytes``), then summed per input node over the pairs that read it."""
+    ``workspace_bytes`` unless one batch tile of them takes more), then summed per input node
+    over the pairs that read it."""
     batch, cout, nout = grad_y.shape
     cin = weight.shape[1] // v
     k = tables.neighbour.shape[1]
