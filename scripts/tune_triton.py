@@ -102,14 +102,14 @@ def tune_cell(layer, batch: int, families: list[str]) -> list[dict]:
         return torch.randn(shape[0], shape[2], shape[1], device=DEVICE,
                            dtype=torch.float16).transpose(1, 2)
 
+    stem = configs.few_channels(plan.cin)
     operands = (channels_last(batch, plan.cin, plan.nin),
                 torch.randn(plan.cout, plan.q, device=DEVICE, dtype=torch.float16),
                 channels_last(batch, plan.cout, plan.nout),
-                (get_ops("triton").stem_tables if configs.few_channels(plan.cin)
-                 else get_ops("triton").tables)(plan, DEVICE))
+                (get_ops("triton").stem_tables if stem else get_ops("triton").tables)(plan,
+                                                                                      DEVICE))
     flop = 2 * batch * plan.entry_count * plan.cin * plan.cout
     rows = []
-    stem = configs.few_channels(plan.cin)
     for family in [f for f in families if (f in STEM_FAMILIES) == stem]:
         space = SPACE[family]
         chosen = {"forward": lambda: launch.forward_tile(batch, plan.cin, plan.cout, plan.nout),

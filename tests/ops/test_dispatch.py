@@ -119,7 +119,7 @@ def test_auto_leaves_stems_to_the_cuda_kernels_but_for_large_narrow_calls_withou
     wide = random_geometry(generator, nin=60, nout=30, k=9).plan(cin=3, cout=96)
     # 24 channels run the zero-padded gather-GEMM, not the few-channel forward
     padded = random_geometry(generator, nin=60, nout=30, k=9).plan(cin=24, cout=64)
-    rows = -(-dispatch.FEW_CHANNEL_FORWARD_MIN_ROWS // stem.nout)
+    rows = -(-dispatch.FEW_CHANNEL_MIN_ROWS // stem.nout)
     with knnconv.context.using(graph_replay=True):
         assert not suits(stem, None)  # a training step: the padded input gradient is slower
         # an image layer's replayed step needs no input gradient: its forward and dW kernels

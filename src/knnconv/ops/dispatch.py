@@ -93,8 +93,8 @@ TRITON_MIN_FORWARD_FLOP = 100e9
 # input gradient ran the zero-padded gather-GEMM then, 0.76-1.87x. Eager, a triton training call
 # costs the host more: ResNet-18 conv1's step without dx took 1.3-1.7x cuda's at B = 128 and
 # 512.
-FEW_CHANNEL_FORWARD_MAX_COUT = 64
-FEW_CHANNEL_FORWARD_MIN_ROWS = 2**18
+FEW_CHANNEL_MAX_COUT = 64
+FEW_CHANNEL_MIN_ROWS = 2**18
 
 
 def triton_suits(plan: KNNConvPlan, batch, backward: bool = True,
@@ -103,11 +103,10 @@ def triton_suits(plan: KNNConvPlan, batch, backward: bool = True,
 
     - Under deterministic algorithms: always (the cuda backend's backward is refused there).
     - Layers of input channels that are not a multiple of 16 (triton pads them): never, but
-      for a layer of fewer than 16 (image stems: the few-channel kernels run its forward and
-      dW) of at most FEW_CHANNEL_FORWARD_MAX_COUT output channels and
-      FEW_CHANNEL_FORWARD_MIN_ROWS output rows (or no batch given: None), in a forward-only
-      call, or in a replayed training step (below) that computes no input gradient
-      (``input_grad``: whether x's gradient is needed).
+      for a layer of fewer than 16 (image stems: the few-channel kernels run it) of at most
+      FEW_CHANNEL_MAX_COUT output channels and FEW_CHANNEL_MIN_ROWS output rows (or no batch
+      given: None), in a forward-only call, or in a replayed training step (below) that
+      computes no input gradient (``input_grad``: whether x's gradient is needed).
     - Steps replayed as CUDA graphs (the graph_replay setting, which the user sets for a step
       captured by hand or compiled with mode="reduce-overhead"), where GPU time alone counts:
       where the layer
@@ -128,9 +127,8 @@ def triton_suits(plan: KNNConvPlan, batch, backward: bool = True,
         return True
     if plan.cin % TRITON_CHANNEL_CHUNK:
         no_dx = not backward or (not input_grad and context.settings().graph_replay)
-        return (no_dx and few_channels(plan.cin)
-                and plan.cout <= FEW_CHANNEL_FORWARD_MAX_COUT
-                and (batch is None or _at_least(batch * plan.nout, FEW_CHANNEL_FORWARD_MIN_ROWS)))
+        return (no_dx and few_channels(plan.cin) and plan.cout <= FEW_CHANNEL_MAX_COUT
+                and (batch is None or _at_least(batch * plan.nout, FEW_CHANNEL_MIN_ROWS)))
     if context.settings().graph_replay:
         return plan.nout * plan.k >= plan.v
     return batch is not None and _at_least(
