@@ -3,21 +3,24 @@ forward and the backward of knnconv's KNNPool, each timed alone (CUDA events, me
 the bytes the pool must move (forward: x read, y written; backward: grad_y read, dx written)
 at the device-copy bandwidth measured in the same run.
 
-    python scripts/bench_fovi_pools.py OUT.json [MODELS] [BATCHES]
+    python scripts/bench_fovi_pools.py OUT.json [--models resnet18,alexnet]
+        [--batches 512,2048] [--pool-batches 4]
 
-MODELS: comma-separated names of the fovi-model bench (default resnet18,alexnet); BATCHES
-(default 512,2048). x is fp16 in channels-last storage, as knnconv's layers pass it. Needs
-fovi and, for timings, a CUDA device (on a CPU it lists the layers and times nothing).
+--models: names of the fovi-model bench; --pool-batches: the batch elements per thread of
+the channels-last kernels (POOL_BATCH; any of POOL_BATCHES), each timed in turn. x is fp16 in
+channels-last storage, as knnconv's layers pass it. Needs fovi and, for timings, a CUDA
+device (on a CPU it lists the layers and times nothing).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 import torch
 
 from knnconv import KNNPool
+from knnconv.ops.cuda import neighbourhood
 from knnconv.tools.bench import measure_ceilings, time_calls
 from knnconv.tools.fovi_models import build_fovi, sensor_samples
 
@@ -69,38 +72,48 @@ def time_pool(layer: dict, batch: int, device: torch.device) -> tuple[float, flo
 
 
 def main() -> int:
-    out = sys.argv[1]
-    models = (sys.argv[2] if len(sys.argv) > 2 else "resnet18,alexnet").split(",")
-    batches = [int(b) for b in (sys.argv[3] if len(sys.argv) > 3 else "512,2048").split(",")]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out")
+    parser.add_argument("--models", default="resnet18,alexnet")
+    parser.add_argument("--batches", default="512,2048")
+    parser.add_argument("--pool-batches", default=str(neighbourhood.POOL_BATCH))
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    pool_batches = [int(b) for b in args.pool_batches.split(",")]
+    if not set(pool_batches) <= set(neighbourhood.POOL_BATCHES):
+        parser.error(f"--pool-batches: each one of {neighbourhood.POOL_BATCHES}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ceilings = measure_ceilings(device)
     copy_gbps = ceilings["copy_gbps"]
     rows = []
-    for name in models:
-        for layer in pooling_layers(name, device):
-            for batch in batches:
-                row = {key: layer[key] for key in
-                       ("model", "layer", "mode", "nin", "nout", "k", "channels")}
-                row["batch"] = batch
-                elements = batch * layer["channels"]
-                moved = elements * (layer["nin"] + layer["nout"]) * DTYPE.itemsize
-                row["floor_ms"] = moved / copy_gbps / 1e6 if copy_gbps else None
-                if device.type == "cuda":
-                    row["forward_ms"], row["backward_ms"] = time_pool(layer, batch, device)
-                    for direction in ("forward", "backward"):
-                        row[f"{direction}_pct_of_floor"] = (
-                            100 * row["floor_ms"] / row[f"{direction}_ms"])
-                rows.append(row)
-                timed = (f"forward {row['forward_ms']:.3f} ms "
-                         f"({row['forward_pct_of_floor']:.0f}%), backward "
-                         f"{row['backward_ms']:.3f} ms ({row['backward_pct_of_floor']:.0f}%)"
-                         if "forward_ms" in row else "not timed (no CUDA device)")
-                print(f"{name} {layer['layer']} {layer['mode']} C={layer['channels']} "
-                      f"{layer['nin']}->{layer['nout']} B={batch}: {timed}", flush=True)
-    with open(out, "w") as handle:
+    for name in args.models.split(","):
+        for layer, batch, pool_batch in ((layer, batch, pool_batch)
+                                         for layer in pooling_layers(name, device)
+                                         for batch in batches for pool_batch in pool_batches):
+            row = {key: layer[key] for key in
+                   ("model", "layer", "mode", "nin", "nout", "k", "channels")}
+            row.update(batch=batch, pool_batch=pool_batch)
+            elements = batch * layer["channels"]
+            moved = elements * (layer["nin"] + layer["nout"]) * DTYPE.itemsize
+            row["floor_ms"] = moved / copy_gbps / 1e6 if copy_gbps else None
+            if device.type == "cuda":
+                neighbourhood.POOL_BATCH = pool_batch
+                row["forward_ms"], row["backward_ms"] = time_pool(layer, batch, device)
+                for direction in ("forward", "backward"):
+                    row[f"{direction}_pct_of_floor"] = (
+                        100 * row["floor_ms"] / row[f"{direction}_ms"])
+            rows.append(row)
+            timed = (f"forward {row['forward_ms']:.3f} ms "
+                     f"({row['forward_pct_of_floor']:.0f}%), backward "
+                     f"{row['backward_ms']:.3f} ms ({row['backward_pct_of_floor']:.0f}%)"
+                     if "forward_ms" in row else "not timed (no CUDA device)")
+            print(f"{name} {layer['layer']} {layer['mode']} C={layer['channels']} "
+                  f"{layer['nin']}->{layer['nout']} B={batch} batch/thread {pool_batch}: "
+                  f"{timed}", flush=True)
+    with open(args.out, "w") as handle:
         json.dump({"device": torch.cuda.get_device_name(device) if device.type == "cuda"
                    else "cpu", "ceilings": ceilings, "rows": rows}, handle, indent=1)
-    print(f"wrote {out}")
+    print(f"wrote {args.out}")
     return 0
 
 

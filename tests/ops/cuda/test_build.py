@@ -34,7 +34,7 @@ from knnconv.ops.cuda.configs import (
     tile_rules,
 )
 from knnconv.ops.cuda.launch_plan import kernel_name
-from knnconv.ops.cuda.neighbourhood import POOL_MODE_CODES, channel_vectors
+from knnconv.ops.cuda.neighbourhood import POOL_BATCHES, POOL_MODE_CODES, channel_vectors
 
 ARCHITECTURES = ("sm_80", "sm_90", "sm_120")
 NVCC = shutil.which("nvcc")
@@ -72,8 +72,8 @@ def default_instantiations() -> dict[Path, list[str]]:
         names.update(neighbourhood_name("knn_pool_backward", dtype, mode=mode)
                      for mode in POOL_MODE_CODES.values())
         names.update(neighbourhood_name(f"knn_pool_{direction}_channels_last", dtype, mode=mode,
-                                        vector=vector)
-                     for direction in ("forward", "backward")
+                                        vector=vector, batch=batch)
+                     for direction in ("forward", "backward") for batch in POOL_BATCHES
                      for mode in POOL_MODE_CODES.values() for vector in channel_vectors(dtype))
         names.add(neighbourhood_name("knn_depthwise_forward", dtype))
         names.add(neighbourhood_name("knn_depthwise_grad_weight", dtype))

@@ -271,8 +271,10 @@ def test_channels_last_pool_loads_the_widest_aligned_channel_run(dtype, channels
     code, scalar = neighbourhood.POOL_MODE_CODES[mode], SCALAR_TYPES[dtype]
     backward = vector if mode == "max" else aligned
     assert launched == [
-        f"knnconv::knn_pool_forward_channels_last<{scalar}, {code}, {vector}>",
-        f"knnconv::knn_pool_backward_channels_last<{scalar}, {code}, {backward}>"]
+        f"knnconv::knn_pool_forward_channels_last<{scalar}, {code}, {vector}, "
+        f"{neighbourhood.POOL_BATCH}>",
+        f"knnconv::knn_pool_backward_channels_last<{scalar}, {code}, {backward}, "
+        f"{neighbourhood.POOL_BATCH}>"]
     for output in results:
         if output is not None:
             assert_storage(output, "channels_last")

@@ -146,9 +146,11 @@ def kernel_code(source: Path) -> str:
 
 
 def neighbourhood_name(kernel: str, dtype: torch.dtype, grad_dtype: torch.dtype | None = None,
-                       mode: int | None = None, vector: int | None = None) -> str:
+                       mode: int | None = None, vector: int | None = None,
+                       batch: int | None = None) -> str:
     """The NVRTC name expression of a pooling / depthwise kernel (knn_neighbourhood.cu).
-    ``vector``: the channels a channels-last pooling kernel moves per load."""
+    ``vector``: the channels a channels-last pooling kernel moves per load; ``batch``: the
+    batch elements each of its threads serves."""
     arguments = [SCALAR_TYPES[dtype]]
     if grad_dtype is not None:
         arguments.append(SCALAR_TYPES[grad_dtype])
@@ -156,6 +158,8 @@ def neighbourhood_name(kernel: str, dtype: torch.dtype, grad_dtype: torch.dtype 
         arguments.append(str(mode))
     if vector is not None:
         arguments.append(str(vector))
+    if batch is not None:
+        arguments.append(str(batch))
     return f"knnconv::{kernel}<{', '.join(arguments)}>"
 
 

@@ -33,8 +33,9 @@ THREADS = 256
 # knn_neighbourhood.cu), which sizes their grid; the kernels' grid-stride loop covers every
 # row whatever the grid.
 DEPTHWISE_ROWS = 4
-# The batch elements one thread of the channels-last pooling kernels serves (kPoolBatch in
-# knn_neighbourhood.cu), which sizes their grid.
+# The batch elements one thread of the channels-last pooling kernels serves (their kBatch),
+# which sizes their grid; scripts/bench_fovi_pools.py measures every one of POOL_BATCHES.
+POOL_BATCHES = (1, 2, 4)
 POOL_BATCH = 4
 # knn_depthwise_grad_weight's nodes per block: a warp's worth, so that a warp reads one slot
 # of consecutive nodes.
@@ -121,7 +122,7 @@ def pool_forward(x: torch.Tensor, knn: torch.Tensor, nin: int, mode: str):
     if channels_last:
         vector = _channel_vector(channels, x.dtype, *(t for t in (x, y, ties) if t is not None))
         name = neighbourhood_name("knn_pool_forward_channels_last", x.dtype, mode=mode_code,
-                                  vector=vector)
+                                  vector=vector, batch=POOL_BATCH)
         _run(name, x.device, nout * (channels // vector), -(-batch // POOL_BATCH),
              (x.data_ptr(), knn.data_ptr(), y.data_ptr(), data_pointer(ties), batch, channels,
               nin, nout, k))
@@ -162,7 +163,7 @@ def pool_backward(grad_y: torch.Tensor, x: torch.Tensor | None, y: torch.Tensor 
         vector = _channel_vector(channels, grad_y.dtype,
                                  *(t for t in (grad_y, x, y, ties, dx) if t is not None))
         name = neighbourhood_name("knn_pool_backward_channels_last", grad_y.dtype,
-                                  mode=mode_code, vector=vector)
+                                  mode=mode_code, vector=vector, batch=POOL_BATCH)
         _run(name, grad_y.device, nin * (channels // vector), -(-batch // POOL_BATCH),
              (grad_y.data_ptr(), data_pointer(x), data_pointer(y), data_pointer(ties),
               scale.data_ptr(), reverse.pair_start.data_ptr(), reverse.pair_node.data_ptr(),

@@ -135,91 +135,286 @@ __global__ void knn_pool_backward(const T* __restrict__ gy, const T* __restrict_
   }
 }
 
-// The channels-last pooling kernels give each thread kPoolBatch batch elements: every table
-// entry it loads serves them all, and their loads of x (or grad_y) are independent, in flight
-// together. One batch element per thread left each thread a few dependent loads and the grid
-// tens of thousands of short blocks: 17-30% of the copy bandwidth on fovi's pooling layers.
-constexpr int kPoolBatch = 4;
+// Two half-width elements in one 32-bit register, with packed max, compare and fma: the
+// channels-last max pooling of half and bfloat16 steps two channels per instruction. (Those
+// kernels issued an instruction per channel per step and were bound by issue, not by memory:
+// ncu showed 85% SM and 13% memory throughput on fovi's AlexNet pooling.)
+template <typename T>
+struct PackedPair {
+  static constexpr bool kExists = false;
+};
+template <>
+struct PackedPair<__half> {
+  static constexpr bool kExists = true;
+  using type = __half2;
+};
+template <>
+struct PackedPair<__nv_bfloat16> {
+  static constexpr bool kExists = true;
+  using type = __nv_bfloat162;
+};
+
+__device__ __forceinline__ __half2 pair_of(__half value) { return __half2half2(value); }
+__device__ __forceinline__ __nv_bfloat162 pair_of(__nv_bfloat16 value) {
+  return __bfloat162bfloat162(value);
+}
+__device__ __forceinline__ float2 to_float2(__half2 pair) { return __half22float2(pair); }
+__device__ __forceinline__ float2 to_float2(__nv_bfloat162 pair) {
+  return __bfloat1622float2(pair);
+}
+
+// kPairs packed pairs (2 * kPairs consecutive elements) from an address aligned to their
+// size, in one load.
+template <int kPairs, typename Pair>
+__device__ __forceinline__ void load_pairs(const void* at, Pair (&pairs)[kPairs]) {
+  using Word = typename VectorWord<4 * kPairs>::type;
+  const Word word = __ldg(reinterpret_cast<const Word*>(at));
+  const Pair* packed = reinterpret_cast<const Pair*>(&word);
+#pragma unroll
+  for (int p = 0; p < kPairs; ++p) pairs[p] = packed[p];
+}
+
+// max_step on a packed pair: the tie count is kept in T, exact for the at most 255
+// neighbours the host allows (bfloat16 holds every integer to 256). NaN absorbs as in
+// max_step: a NaN value or best makes the next best NaN, which equals nothing, so ties = 0.
+template <typename Pair>
+__device__ __forceinline__ void max_step_pair(Pair value, Pair& best, Pair& ties) {
+  const Pair next = __hmax2_nan(best, value);
+  ties = __hfma2(ties, __heq2(best, next), __heq2(value, next));
+  best = next;
+}
+
+// One thread's running reduction over a window, for one batch element and kVector channels:
+// start, add each real neighbour's channel run, store y (and ties) with `real` the number of
+// real neighbours (0: y = 0, ties = 0).
+template <typename T, int kMode, int kVector,
+          bool kPacked = kMode == kPoolMax && PackedPair<T>::kExists && kVector % 2 == 0>
+struct PoolWindow;
+
+// Max on packed pairs.
+template <typename T, int kVector>
+struct PoolWindow<T, kPoolMax, kVector, true> {
+  using Pair = typename PackedPair<T>::type;
+  static constexpr int kPairs = kVector / 2;
+  Pair best[kPairs], ties[kPairs];
+
+  __device__ __forceinline__ void start() {
+#pragma unroll
+    for (int p = 0; p < kPairs; ++p) {
+      best[p] = pair_of(from_float<T>(__int_as_float(0xff800000)));  // -inf
+      ties[p] = pair_of(from_float<T>(0.0f));
+    }
+  }
+  __device__ __forceinline__ void add(const T* at) {
+    Pair values[kPairs];
+    load_pairs(at, values);
+#pragma unroll
+    for (int p = 0; p < kPairs; ++p) max_step_pair(values[p], best[p], ties[p]);
+  }
+  __device__ __forceinline__ void store(T* y_at, unsigned char* ties_at, int real) const {
+    const T* bests = reinterpret_cast<const T*>(best);
+    const T* counts = reinterpret_cast<const T*>(ties);
+    T pooled[kVector];
+    unsigned char tied[kVector];
+#pragma unroll
+    for (int e = 0; e < kVector; ++e) {
+      pooled[e] = real > 0 ? bests[e] : from_float<T>(0.0f);
+      tied[e] = static_cast<unsigned char>(to_float(counts[e]));
+    }
+    store_vector(y_at, pooled);
+    store_vector(ties_at, tied);
+  }
+};
+
+// Max element by element (float, or a single channel per run).
+template <typename T, int kVector>
+struct PoolWindow<T, kPoolMax, kVector, false> {
+  float best[kVector];
+  int ties[kVector];
+
+  __device__ __forceinline__ void start() {
+#pragma unroll
+    for (int e = 0; e < kVector; ++e) {
+      best[e] = __int_as_float(0xff800000);  // -inf
+      ties[e] = 0;
+    }
+  }
+  __device__ __forceinline__ void add(const T* at) {
+    T values[kVector];
+    load_vector(at, values);
+#pragma unroll
+    for (int e = 0; e < kVector; ++e) max_step(to_float(values[e]), best[e], ties[e]);
+  }
+  __device__ __forceinline__ void store(T* y_at, unsigned char* ties_at, int real) const {
+    T pooled[kVector];
+    unsigned char tied[kVector];
+#pragma unroll
+    for (int e = 0; e < kVector; ++e) {
+      pooled[e] = from_float<T>(real > 0 ? best[e] : 0.0f);
+      tied[e] = static_cast<unsigned char>(ties[e]);
+    }
+    store_vector(y_at, pooled);
+    store_vector(ties_at, tied);
+  }
+};
+
+// Sum and average, in float.
+template <typename T, int kMode, int kVector>
+struct PoolWindow<T, kMode, kVector, false> {
+  float total[kVector];
+
+  __device__ __forceinline__ void start() {
+#pragma unroll
+    for (int e = 0; e < kVector; ++e) total[e] = 0.0f;
+  }
+  __device__ __forceinline__ void add(const T* at) {
+    T values[kVector];
+    load_vector(at, values);
+#pragma unroll
+    for (int e = 0; e < kVector; ++e) total[e] += to_float(values[e]);
+  }
+  __device__ __forceinline__ void store(T* y_at, unsigned char*, int real) const {
+    const float count = kMode == kPoolAvg ? static_cast<float>(real > 0 ? real : 1) : 1.0f;
+    T pooled[kVector];
+#pragma unroll
+    for (int e = 0; e < kVector; ++e) pooled[e] = from_float<T>(total[e] / count);
+    store_vector(y_at, pooled);
+  }
+};
 
 // The channels-last pooling: y[b, n, c] (and for max ties[b, n, c]) as knn_pool_forward
 // defines them, on x [B, Nin, C]. One thread per (node n, run of kVector channels), channels
-// fastest, and kPoolBatch batch elements, batch groups over gridDim.y: the threads serving
-// one node read each neighbour's channel run as consecutive vectors of one row of x, so every
-// gather is coalesced. C is a multiple of kVector and x, y aligned to kVector elements (the
-// host picks kVector so).
-template <typename T, int kMode, int kVector>
+// fastest, and kBatch batch elements, batch groups over gridDim.y: the threads serving one
+// node read each neighbour's channel run as consecutive vectors of one row of x, so every
+// gather is coalesced, and every table entry a thread loads serves its kBatch elements, whose
+// loads are independent. C is a multiple of kVector and x, y aligned to kVector elements (the
+// host picks kVector so, and kBatch: POOL_BATCH in neighbourhood.py). Offsets within an image
+// are ints: the host keeps Nin * C and Nout * C within one.
+template <typename T, int kMode, int kVector, int kBatch>
 __global__ void knn_pool_forward_channels_last(const T* __restrict__ x,
                                                const int* __restrict__ knn, T* __restrict__ y,
                                                unsigned char* __restrict__ ties, int batch,
                                                int channels, int nin, int nout, int k) {
   const int runs = channels / kVector;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= nout * runs) return;  // the host keeps Nout * C within an int
+  if (i >= nout * runs) return;
   const int n = i / runs;
   const int c = (i - n * runs) * kVector;
   const size_t in_image = static_cast<size_t>(nin) * channels;
-  for (int b0 = blockIdx.y * kPoolBatch; b0 < batch; b0 += gridDim.y * kPoolBatch) {
-    const int group = min(kPoolBatch, batch - b0);
+  const size_t out_image = static_cast<size_t>(nout) * channels;
+  for (int b0 = blockIdx.y * kBatch; b0 < batch; b0 += gridDim.y * kBatch) {
+    const int group = min(kBatch, batch - b0);
     const T* images = x + static_cast<size_t>(b0) * in_image + c;
-    float best[kPoolBatch][kVector], total[kPoolBatch][kVector];
-    int equal[kPoolBatch][kVector];
+    PoolWindow<T, kMode, kVector> windows[kBatch];
 #pragma unroll
-    for (int g = 0; g < kPoolBatch; ++g) {
-#pragma unroll
-      for (int e = 0; e < kVector; ++e) {
-        best[g][e] = __int_as_float(0xff800000);  // -inf
-        total[g][e] = 0.0f;
-        equal[g][e] = 0;
-      }
-    }
+    for (int g = 0; g < kBatch; ++g) windows[g].start();
     int real = 0;
     for (int s = 0; s < k; ++s) {
       const int m = knn[s * nout + n];
       if (m == nin) continue;
       ++real;
+      const int row = m * channels;
 #pragma unroll
-      for (int g = 0; g < kPoolBatch; ++g) {
-        if (g >= group) break;
-        T values[kVector];
-        load_vector(images + g * in_image + static_cast<size_t>(m) * channels, values);
-#pragma unroll
-        for (int e = 0; e < kVector; ++e) {
-          if constexpr (kMode == kPoolMax) {
-            max_step(to_float(values[e]), best[g][e], equal[g][e]);
-          } else {
-            total[g][e] += to_float(values[e]);
-          }
-        }
+      for (int g = 0; g < kBatch; ++g) {
+        if (g < group) windows[g].add(images + g * in_image + row);
       }
     }
-    const float count = kMode == kPoolAvg ? static_cast<float>(real > 0 ? real : 1) : 1.0f;
+    const size_t out = static_cast<size_t>(b0) * out_image + n * channels + c;
 #pragma unroll
-    for (int g = 0; g < kPoolBatch; ++g) {
-      if (g >= group) break;
-      const size_t out = (static_cast<size_t>(b0 + g) * nout + n) * channels + c;
-      T pooled[kVector];
-      if constexpr (kMode == kPoolMax) {
-        unsigned char tied[kVector];
-#pragma unroll
-        for (int e = 0; e < kVector; ++e) {
-          pooled[e] = from_float<T>(real > 0 ? best[g][e] : 0.0f);
-          tied[e] = static_cast<unsigned char>(equal[g][e]);
-        }
-        store_vector(ties + out, tied);
-      } else {
-#pragma unroll
-        for (int e = 0; e < kVector; ++e) pooled[e] = from_float<T>(total[g][e] / count);
-      }
-      store_vector(y + out, pooled);
+    for (int g = 0; g < kBatch; ++g) {
+      if (g < group) windows[g].store(y + out + g * out_image, ties + out + g * out_image, real);
     }
   }
 }
 
+// One thread's gradient of one batch element's x over kVector channels: start from its own
+// x (for max), add the gradient each output node reading it sends (share: 1, or avg's
+// 1/count), store dx. For max a node sends gy / ties where x is its max and nothing elsewhere
+// (ties = 0, a NaN max, equals nothing); __fdividef is exact for ties = 1 and within 2 ulp
+// of float otherwise.
+template <typename T, int kMode, int kVector,
+          bool kPacked = kMode == kPoolMax && PackedPair<T>::kExists && kVector % 2 == 0>
+struct PoolGradient {
+  T own[kMode == kPoolMax ? kVector : 1];
+  float total[kVector];
+
+  __device__ __forceinline__ void start(const T* x_at) {
+    if constexpr (kMode == kPoolMax) load_vector(x_at, own);
+#pragma unroll
+    for (int e = 0; e < kVector; ++e) total[e] = 0.0f;
+  }
+  __device__ __forceinline__ void add(const T* gy_at, const T* y_at,
+                                      const unsigned char* ties_at, float share) {
+    T grads[kVector];
+    load_vector(gy_at, grads);
+    if constexpr (kMode == kPoolMax) {
+      T pooled[kVector];
+      unsigned char tied[kVector];
+      load_vector(y_at, pooled);
+      load_vector(ties_at, tied);
+#pragma unroll
+      for (int e = 0; e < kVector; ++e) {
+        if (to_float(own[e]) == to_float(pooled[e])) {
+          total[e] += __fdividef(to_float(grads[e]), static_cast<float>(max(int{tied[e]}, 1)));
+        }
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < kVector; ++e) total[e] += to_float(grads[e]) * share;
+    }
+  }
+  __device__ __forceinline__ void store(T* dx_at) const {
+    T grad[kVector];
+#pragma unroll
+    for (int e = 0; e < kVector; ++e) grad[e] = from_float<T>(total[e]);
+    store_vector(dx_at, grad);
+  }
+};
+
+// Max on packed pairs: one compare finds where x is the max of two channels, and the
+// gradient's bits are masked to +0 elsewhere (a product with 0 would turn an infinite or NaN
+// gradient some other input receives into NaN here).
+template <typename T, int kVector>
+struct PoolGradient<T, kPoolMax, kVector, true> {
+  using Pair = typename PackedPair<T>::type;
+  static constexpr int kPairs = kVector / 2;
+  Pair own[kPairs];
+  float total[kVector];
+
+  __device__ __forceinline__ void start(const T* x_at) {
+    load_pairs(x_at, own);
+#pragma unroll
+    for (int e = 0; e < kVector; ++e) total[e] = 0.0f;
+  }
+  __device__ __forceinline__ void add(const T* gy_at, const T* y_at,
+                                      const unsigned char* ties_at, float) {
+    unsigned int grads[kPairs];
+    Pair pooled[kPairs];
+    unsigned char tied[kVector];
+    load_pairs(gy_at, grads);
+    load_pairs(y_at, pooled);
+    load_vector(ties_at, tied);
+#pragma unroll
+    for (int p = 0; p < kPairs; ++p) {
+      const unsigned int bits = grads[p] & __heq2_mask(own[p], pooled[p]);
+      const float2 sent = to_float2(*reinterpret_cast<const Pair*>(&bits));
+      total[2 * p] += __fdividef(sent.x, static_cast<float>(max(int{tied[2 * p]}, 1)));
+      total[2 * p + 1] += __fdividef(sent.y, static_cast<float>(max(int{tied[2 * p + 1]}, 1)));
+    }
+  }
+  __device__ __forceinline__ void store(T* dx_at) const {
+    T grad[kVector];
+#pragma unroll
+    for (int e = 0; e < kVector; ++e) grad[e] = from_float<T>(total[e]);
+    store_vector(dx_at, grad);
+  }
+};
+
 // The channels-last gradient: dx[b, m, c] as knn_pool_backward defines it, with gy, y and
 // ties [B, Nout, C], x and dx [B, Nin, C]. One thread per (input node m, run of kVector
-// channels), channels fastest, and kPoolBatch batch elements: each pair reading m is one
+// channels), channels fastest, and kBatch batch elements: each pair reading m is one
 // coalesced vector read of gy (and of y and ties for max) per run and batch element.
-template <typename T, int kMode, int kVector>
+template <typename T, int kMode, int kVector, int kBatch>
 __global__ void knn_pool_backward_channels_last(
     const T* __restrict__ gy, const T* __restrict__ x, const T* __restrict__ y,
     const unsigned char* __restrict__ ties, const float* __restrict__ scale,
@@ -233,53 +428,28 @@ __global__ void knn_pool_backward_channels_last(
   const int first = pair_start[m], last = pair_start[m + 1];
   const size_t in_image = static_cast<size_t>(nin) * channels;
   const size_t out_image = static_cast<size_t>(nout) * channels;
-  for (int b0 = blockIdx.y * kPoolBatch; b0 < batch; b0 += gridDim.y * kPoolBatch) {
-    const int group = min(kPoolBatch, batch - b0);
-    const size_t in = (static_cast<size_t>(b0) * nin + m) * channels + c;
+  for (int b0 = blockIdx.y * kBatch; b0 < batch; b0 += gridDim.y * kBatch) {
+    const int group = min(kBatch, batch - b0);
+    const size_t in = static_cast<size_t>(b0) * in_image + m * channels + c;
     const size_t outs = static_cast<size_t>(b0) * out_image + c;
-    T own[kPoolBatch][kVector];
-    float total[kPoolBatch][kVector];
+    PoolGradient<T, kMode, kVector> gradients[kBatch];
 #pragma unroll
-    for (int g = 0; g < kPoolBatch; ++g) {
-      if constexpr (kMode == kPoolMax) {
-        if (g < group) load_vector(x + in + g * in_image, own[g]);
-      }
-#pragma unroll
-      for (int e = 0; e < kVector; ++e) total[g][e] = 0.0f;
+    for (int g = 0; g < kBatch; ++g) {
+      if (g < group) gradients[g].start(x + in + g * in_image);
     }
     for (int j = first; j < last; ++j) {
       const int n = pair_node[j];
       const float share = kMode == kPoolAvg ? scale[n] : 1.0f;
+      const int row = n * channels;
 #pragma unroll
-      for (int g = 0; g < kPoolBatch; ++g) {
-        if (g >= group) break;
-        const size_t at = outs + g * out_image + static_cast<size_t>(n) * channels;
-        T grads[kVector];
-        load_vector(gy + at, grads);
-        if constexpr (kMode == kPoolMax) {
-          T pooled[kVector];
-          unsigned char tied[kVector];
-          load_vector(y + at, pooled);
-          load_vector(ties + at, tied);
-#pragma unroll
-          for (int e = 0; e < kVector; ++e) {
-            if (tied[e] > 0 && to_float(own[g][e]) == to_float(pooled[e])) {
-              total[g][e] += to_float(grads[e]) / static_cast<float>(tied[e]);
-            }
-          }
-        } else {
-#pragma unroll
-          for (int e = 0; e < kVector; ++e) total[g][e] += to_float(grads[e]) * share;
-        }
+      for (int g = 0; g < kBatch; ++g) {
+        const size_t at = outs + g * out_image + row;
+        if (g < group) gradients[g].add(gy + at, y + at, ties + at, share);
       }
     }
 #pragma unroll
-    for (int g = 0; g < kPoolBatch; ++g) {
-      if (g >= group) break;
-      T grad[kVector];
-#pragma unroll
-      for (int e = 0; e < kVector; ++e) grad[e] = from_float<T>(total[g][e]);
-      store_vector(dx + in + g * in_image, grad);
+    for (int g = 0; g < kBatch; ++g) {
+      if (g < group) gradients[g].store(dx + in + g * in_image);
     }
   }
 }
