@@ -4,18 +4,21 @@ the bytes the pool must move (forward: x read, y written; backward: grad_y read,
 at the device-copy bandwidth measured in the same run.
 
     python scripts/bench_fovi_pools.py OUT.json [--models resnet18,alexnet]
-        [--batches 512,2048] [--pool-batches 4]
+        [--batches 512,2048] [--pool-batches 1]
+    python scripts/bench_fovi_pools.py --plot OUT.png LABEL=RESULT.json [LABEL=RESULT.json ...]
 
 --models: names of the fovi-model bench; --pool-batches: the batch elements per thread of
 the channels-last kernels (POOL_BATCH; any of POOL_BATCHES), each timed in turn. x is fp16 in
 channels-last storage, as knnconv's layers pass it. Needs fovi and, for timings, a CUDA
-device (on a CPU it lists the layers and times nothing).
+device (on a CPU it lists the layers and times nothing). A run writes OUT.json and OUT.png;
+--plot draws several runs' rows at POOL_BATCH side by side (say, before and after a change).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
 
@@ -114,8 +117,55 @@ def main() -> int:
         json.dump({"device": torch.cuda.get_device_name(device) if device.type == "cuda"
                    else "cpu", "ceilings": ceilings, "rows": rows}, handle, indent=1)
     print(f"wrote {args.out}")
+    plot({"this run": rows}, args.out.removesuffix(".json") + ".png")
     return 0
 
 
+def plot(runs: dict[str, list[dict]], path: str) -> None:
+    """Each pooling layer's forward and backward as % of the copy floor, per batch, one bar
+    per run (rows at POOL_BATCH elements per thread)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def cell(row: dict) -> tuple:
+        return row["model"], row["layer"], row["batch"]
+
+    chosen = {label: {cell(r): r for r in rows if "forward_ms" in r
+                      and r.get("pool_batch", 1) == neighbourhood.POOL_BATCH}
+              for label, rows in runs.items()}
+    cells = sorted({key for found in chosen.values() for key in found})
+    if not cells:
+        return
+    figure, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
+    width = 0.8 / len(chosen)
+    for axis, direction in zip(axes, ("forward", "backward"), strict=True):
+        for index, (label, found) in enumerate(chosen.items()):
+            axis.bar([i + index * width for i in range(len(cells))],
+                     [found[c][f"{direction}_pct_of_floor"] if c in found else 0
+                      for c in cells], width, label=label)
+        axis.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))],
+                        [f"{m} {layer}\nB={b}" for m, layer, b in cells], fontsize=7,
+                        rotation=30, ha="right")
+        axis.set_title(f"{direction}")
+        axis.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("% of the copy-bandwidth floor")
+    axes[0].legend(loc="upper left", fontsize=8)
+    figure.suptitle("fovi's KNN pooling layers, fp16 channels-last, "
+                    f"{neighbourhood.POOL_BATCH} batch element(s) per thread")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    if len(sys.argv) > 2 and sys.argv[1] == "--plot":
+        runs = {}
+        for argument in sys.argv[3:]:
+            label, _, result = argument.partition("=")
+            with open(result) as source:
+                runs[label] = json.load(source)["rows"]
+        plot(runs, sys.argv[2])
+    else:
+        raise SystemExit(main())

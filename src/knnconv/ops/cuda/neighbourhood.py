@@ -35,8 +35,10 @@ THREADS = 256
 DEPTHWISE_ROWS = 4
 # The batch elements one thread of the channels-last pooling kernels serves (their kBatch),
 # which sizes their grid; scripts/bench_fovi_pools.py measures every one of POOL_BATCHES.
+# On fovi's pooling layers (H200, fp16) one was fastest or within 10% of two, and four up to
+# 1.5x slower: the kernels are bound by issue more than by memory latency.
 POOL_BATCHES = (1, 2, 4)
-POOL_BATCH = 4
+POOL_BATCH = 1
 # knn_depthwise_grad_weight's nodes per block: a warp's worth, so that a warp reads one slot
 # of consecutive nodes.
 DEPTHWISE_GRAD_WEIGHT_NODES = 32
