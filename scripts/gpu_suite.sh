@@ -16,8 +16,8 @@
 # (host.json), fovi whole-model (h200_fovi_models.*, the depthwise families'
 # h200_families_fovi_models.*, the larger sensor's h200_in128_fovi_models.*) and fovi-kernel
 # benchmarks' JSON/PNG
-# the pooling layers' (fovi_pools.json), the stems' (h200_stems.*, tune_stems.json) and the
-# gather tuner's (tune_gather.json), in
+# the pooling layers' (fovi_pools.json/png, ncu_pools.log), the stems' (h200_stems.*,
+# tune_stems.json) and the gather tuner's (tune_gather.json), in
 # OUTDIR/logs.tar.gz (the fovi_kernels and
 # convergence stages need fovi, from WHEEL_DIR); each stage's exit status and time are
 # summarised in OUTDIR/summary.txt.
@@ -93,6 +93,9 @@ stage neighbourhood 120 python3 scripts/bench_neighbourhood.py "$out/logs/neighb
 # every pooling layer of fovi's ResNet-18 and AlexNet, forward and backward against the
 # copy-bandwidth floor
 stage fovi_pools 120 python3 scripts/bench_fovi_pools.py "$out/logs/fovi_pools.json"
+stage ncu_pools 120 ncu --section SpeedOfLight --section Occupancy --section WarpStateStats \
+  --section MemoryWorkloadAnalysis -k regex:knn_pool_.*channels python3 scripts/profile_pools.py \
+  alexnet layers.0.pool 512 1
 stage demo 60 python3 -m knnconv demo --out "$out/demo.png"
 # fovi's own ResNet-18 and AlexNet, and its ResNet-50, depthwise-separable ResNet-18 and
 # ConvNeXtV2 on the same sensor: one training step as fovi runs it, accelerated, compiled, and

@@ -15,6 +15,8 @@ import re
 import sys
 from pathlib import Path
 
+from knnconv.ops.cuda.neighbourhood import POOL_BATCH
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 README = ROOT / "README.md"
@@ -114,6 +116,36 @@ def whole_models() -> str:
     return wrap(lines)
 
 
+def latest_models() -> str:
+    """The newest dated whole-model run (h200_fovi_models_DATE.json: fovi's path, the
+    accelerated one and the grid network, fewer paths than the table's run): ResNet-18
+    against the grid network, AlexNet against fovi's path, and their KNN pooling."""
+    path = sorted(RESULTS.glob("h200_fovi_models_20*.json"))[-1]
+    result = json.loads(path.read_text())
+    rows = {(r["model"], r["path"], r["batch"]): r["median_ms"] for r in result["rows"]
+            if r["status"] == "ok" and r["mode"] == "graph"}
+
+    def pooling(model: str) -> float:
+        entries = result["breakdown"][model]["accelerated"]
+        entries = entries if isinstance(entries, list) else [entries]
+        return next(e for e in entries if e["batch"] == 2048)["ms_per_step"]["knn_pool"]
+
+    grid = {batch: rows[("resnet18", "accelerated", batch)] / rows[("resnet18", "grid", batch)]
+            for batch in (512, 2048)}
+    alexnet = {batch: rows[("alexnet", "fovi", batch)] / rows[("alexnet", "accelerated", batch)]
+               for batch in (512, 2048)}
+    date = path.stem.rsplit("_", 1)[1]
+    return wrap([f"The newest run ({date}, [bench/results/{path.name}](bench/results/"
+                 f"{path.name}), without the compiled paths), replayed as CUDA graphs: the "
+                 f"accelerated ResNet-18 costs {grid[2048]:.2f}x the grid network at B = 2048 "
+                 f"({ms(rows[('resnet18', 'accelerated', 2048)])} against "
+                 f"{ms(rows[('resnet18', 'grid', 2048)])} ms) and {grid[512]:.2f}x at B = 512; "
+                 f"AlexNet's step is {alexnet[512]:.2f}x / {alexnet[2048]:.2f}x faster than "
+                 "fovi's path at B = 512 / 2048. KNN pooling takes "
+                 f"{pooling('resnet18'):.2f} ms of ResNet-18's GPU time per step at B = 2048 and "
+                 f"{pooling('alexnet'):.1f} ms of AlexNet's."])
+
+
 def fovi_kernel_summaries(summary: dict) -> dict[str, dict]:
     """bench_fovi_kernels.py's summary per knnconv backend (files written before it timed several
     backends hold one summary, the cuda backend's)."""
@@ -179,9 +211,20 @@ def neighbourhood() -> str:
     times = {(r["backend"], r["op"], r["batch"], r["mode"]): r["median_ms"] for r in rows}
     ratios = [times[("torch_compact", *key[1:])] / value for key, value in times.items()
               if key[0] == "cuda"]
+    # the rows at the batch elements per thread the kernels take (the file sweeps them)
+    pools = [r for r in load("h200_fovi_pools.json")["rows"]
+             if r["mode"] == "max" and r["pool_batch"] == POOL_BATCH]
+
+    def floor_range(direction: str) -> str:
+        shares = [r[f"{direction}_pct_of_floor"] for r in pools]
+        return f"{min(shares):.0f}-{max(shares):.0f}%"
+
     return wrap([f"KNN pooling and depthwise layers on the native kernels run "
                  f"{min(ratios):.1f}-{max(ratios):.1f}x faster than the same layers in torch "
-                 "ops (`bench/results/h200_neighbourhood.json`)."])
+                 "ops (`bench/results/h200_neighbourhood.json`). On fovi's max pooling layers "
+                 "(fp16, channels-last, B = 512 and 2048) the forward moves its bytes at "
+                 f"{floor_range('forward')} of the copy bandwidth, the backward at "
+                 f"{floor_range('backward')} (`bench/results/h200_fovi_pools.json`)."])
 
 
 def wrap(lines: list[str], width: int = 92) -> str:
@@ -202,7 +245,8 @@ def wrap(lines: list[str], width: int = 92) -> str:
     return "\n".join(out)
 
 
-BLOCKS = {"whole-models": whole_models, "per-layer": per_layer, "neighbourhood": neighbourhood}
+BLOCKS = {"whole-models": whole_models, "latest-models": latest_models,
+          "per-layer": per_layer, "neighbourhood": neighbourhood}
 
 
 def pattern(name: str) -> re.Pattern:

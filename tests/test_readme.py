@@ -131,7 +131,7 @@ def test_generated_figures_are_the_committed_results():
     generated = subprocess.run([sys.executable, str(ROOT / "scripts" / "readme_tables.py")],
                                check=True, capture_output=True, text=True, cwd=ROOT).stdout
     blocks = re.findall(r"<!-- generated: ([\w-]+) -->\n.*?<!-- end: \1 -->", generated, re.S)
-    assert blocks == ["whole-models", "per-layer", "neighbourhood"]
+    assert blocks == ["whole-models", "latest-models", "per-layer", "neighbourhood"]
     for block in re.findall(r"<!-- generated: [\w-]+ -->\n.*?<!-- end: [\w-]+ -->", generated,
                             re.S):
         assert block in README, block.splitlines()[0]
@@ -150,11 +150,13 @@ def test_the_generated_figures_follow_the_files(tmp_path, monkeypatch):
         if row["backend"] == "cuda":
             row["median_ms"] /= 2
     (tmp_path / "h200_neighbourhood.json").write_text(json.dumps(result))
+    (tmp_path / "h200_fovi_pools.json").write_text((RESULTS / "h200_fovi_pools.json").read_text())
     monkeypatch.setattr(readme_tables, "RESULTS", tmp_path)
     assert readme_tables.neighbourhood() != before
 
 
-@pytest.mark.parametrize("name", ["h200.json", "h200_fovi_kernels.json", "h200_fovi_models.json"])
+@pytest.mark.parametrize("name", ["h200.json", "h200_fovi_kernels.json", "h200_fovi_models.json",
+                                  "h200_fovi_models_2026-12-04.json", "h200_fovi_pools.json"])
 def test_result_files_name_the_gpu_they_ran_on(name):
     assert "H200" in json.loads((RESULTS / name).read_text())["device"]
 

@@ -141,8 +141,7 @@ def knn_conv_with_backend(x, weight, bias, plan, backend="auto") -> tuple[torch.
     dtype = compute_dtype(x, weight, bias, autocasting)
     backward = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
-    ops = resolve_backend(backend, plan, x.device, dtype, batch=x.shape[0], backward=backward,
-                          input_grad=backward and x.requires_grad)
+    ops = resolve_backend(backend, plan, x.device, dtype, batch=x.shape[0], backward=backward)
     if torch.compiler.is_compiling():
         keep = context.settings().keep_input_relayout
         return knn_conv_op(x, weight, bias, plan, ops.name, dtype, keep), ops.name

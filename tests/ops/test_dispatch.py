@@ -112,7 +112,7 @@ def test_compiled_auto_compares_the_batches_it_can_guard_on(batch_kind):
                 assert compiled(x).item() == expected, (replay, batch)
 
 
-def test_auto_leaves_stems_to_the_cuda_kernels_but_for_large_narrow_calls_without_dx():
+def test_auto_leaves_stems_to_the_cuda_kernels_but_for_large_narrow_replayed_or_forward_calls():
     suits = dispatch.triton_suits
     generator = torch.Generator().manual_seed(3)
     stem = random_geometry(generator, nin=60, nout=30, k=9).plan(cin=3, cout=64)
@@ -120,13 +120,10 @@ def test_auto_leaves_stems_to_the_cuda_kernels_but_for_large_narrow_calls_withou
     # 24 channels run the zero-padded gather-GEMM, not the few-channel forward
     padded = random_geometry(generator, nin=60, nout=30, k=9).plan(cin=24, cout=64)
     rows = -(-dispatch.FEW_CHANNEL_MIN_ROWS // stem.nout)
-    with knnconv.context.using(graph_replay=True):
-        assert not suits(stem, None)  # a training step: the padded input gradient is slower
-        # an image layer's replayed step needs no input gradient: its forward and dW kernels
-        assert suits(stem, rows, input_grad=False) and not suits(stem, rows - 1, input_grad=False)
-        assert not suits(wide, 2**20, input_grad=False)
-    assert not suits(stem, 2**20)
-    assert not suits(stem, 2**20, input_grad=False)  # eager: the triton calls cost the host more
+    with knnconv.context.using(graph_replay=True):  # a replayed step, with or without dx
+        assert suits(stem, rows) and not suits(stem, rows - 1) and suits(stem, None)
+        assert not suits(wide, 2**20)
+    assert not suits(stem, 2**20)  # eager: the triton calls cost the host more
     # forward only: the few-channel kernel, from enough output rows, up to 64 channels
     assert suits(stem, rows, backward=False) and not suits(stem, rows - 1, backward=False)
     assert suits(stem, None, backward=False) and not suits(wide, 2**20, backward=False)

@@ -42,8 +42,7 @@ def torch_policy(plan: GeometryPlan, device: torch.device, batch) -> str:
 
 
 def resolve_backend(name: str, plan: GeometryPlan, device: torch.device, dtype: torch.dtype,
-                    batch: int | None = None, *, backward: bool = True,
-                    input_grad: bool = True) -> KNNConvOps:
+                    batch: int | None = None, *, backward: bool = True) -> KNNConvOps:
     """The backend that will serve a call: ``name`` itself, or the auto policy's choice.
 
     An explicitly named backend that cannot serve the call raises; it never falls back.
@@ -51,8 +50,7 @@ def resolve_backend(name: str, plan: GeometryPlan, device: torch.device, dtype: 
     knnconv.ops.autotune; ``batch`` is needed for it), else the first native backend of
     NATIVE_ORDER that serves the call on CUDA tensors (the triton backend only for calls of
     enough work), else the torch backend of :func:`torch_policy`. ``backward``:
-    whether the call's gradients will be computed (see KNNConvOps.unsupported_reason);
-    ``input_grad``: whether the input's gradient is among them.
+    whether the call's gradients will be computed (see KNNConvOps.unsupported_reason).
     """
     if name == "auto":
         if batch is not None and isinstance(plan, KNNConvPlan):
@@ -60,7 +58,7 @@ def resolve_backend(name: str, plan: GeometryPlan, device: torch.device, dtype: 
             if tuned is not None:
                 return get_ops(tuned)
         if device.type == "cuda":
-            native = _native_choice(plan, device, dtype, backward, batch, input_grad)
+            native = _native_choice(plan, device, dtype, backward, batch)
             if native is not None:
                 return native
         return get_ops(torch_policy(plan, device, batch))
@@ -82,31 +80,28 @@ NATIVE_ORDER = ("triton", "cuda")
 # the faster one on the published layers from about 100 GFLOP of forward work up (2 * B *
 # real entries * Cin * Cout): below that an eager call keeps the cuda kernels.
 TRITON_MIN_FORWARD_FLOP = 100e9
-# A few-channel stem's call that computes no input gradient: a forward-only call (inference),
-# or, replayed as a CUDA graph, a training step of an image layer (its input needs no
-# gradient). On stems of at most 64 output channels from about 2**18 output rows (B * Nout)
-# up (fovi ResNet-18 conv1 at B = 512 and 2048, the generated K = 49 stems at B = 128-2048),
-# the triton backend's few-channel forward kernel took 0.36-0.77x the cuda backend's time and
-# its replayed training step without dx 0.58-0.91x (bench/results/h200_stems_tuned.json). On
-# wider stems (AlexNet's 96 channels, the ViT patch embeddings' 192-1280) the forward took
-# 0.68-1.73x and AlexNet's replayed step without dx 0.94-1.30x; a training step with dx, whose
-# input gradient ran the zero-padded gather-GEMM then, 0.76-1.87x. Eager, a triton training call
-# costs the host more: ResNet-18 conv1's step without dx took 1.3-1.7x cuda's at B = 128 and
-# 512.
+# A few-channel stem's forward-only call (inference) or training step replayed as a CUDA
+# graph. On stems of at most 64 output channels from about 2**18 output rows (B * Nout) up
+# (fovi ResNet-18 conv1 at B = 512 and 2048, the generated K = 49 stems at B = 128-2048), the
+# triton backend's few-channel forward kernel took 0.36-0.77x the cuda backend's time
+# (bench/results/h200_stems_tuned.json), its replayed training step 0.70-0.97x with the input
+# gradient (its two-pass slot-gradient kernels) and 0.58-0.91x without
+# (bench/results/h200_stems.json). On wider stems (AlexNet's 96 channels, the ViT patch
+# embeddings' 192-1280) the forward took 0.68-1.73x and AlexNet's replayed step 1.01-1.09x
+# with dx, 0.94-1.30x without. Eager, a triton training call costs the host more: ResNet-18
+# conv1's step without dx took 1.3-1.7x cuda's at B = 128 and 512.
 FEW_CHANNEL_MAX_COUT = 64
 FEW_CHANNEL_MIN_ROWS = 2**18
 
 
-def triton_suits(plan: KNNConvPlan, batch, backward: bool = True,
-                 input_grad: bool = True) -> bool:
+def triton_suits(plan: KNNConvPlan, batch, backward: bool = True) -> bool:
     """Whether auto takes the triton backend for a convolution call it serves.
 
     - Under deterministic algorithms: always (the cuda backend's backward is refused there).
     - Layers of input channels that are not a multiple of 16 (triton pads them): never, but
       for a layer of fewer than 16 (image stems: the few-channel kernels run it) of at most
       FEW_CHANNEL_MAX_COUT output channels and FEW_CHANNEL_MIN_ROWS output rows (or no batch
-      given: None), in a forward-only call, or in a replayed training step (below) that
-      computes no input gradient (``input_grad``: whether x's gradient is needed).
+      given: None), in a forward-only call or a replayed training step (below).
     - Steps replayed as CUDA graphs (the graph_replay setting, which the user sets for a step
       captured by hand or compiled with mode="reduce-overhead"), where GPU time alone counts:
       where the layer
@@ -126,8 +121,9 @@ def triton_suits(plan: KNNConvPlan, batch, backward: bool = True,
     if torch.are_deterministic_algorithms_enabled():
         return True
     if plan.cin % TRITON_CHANNEL_CHUNK:
-        no_dx = not backward or (not input_grad and context.settings().graph_replay)
-        return (no_dx and few_channels(plan.cin) and plan.cout <= FEW_CHANNEL_MAX_COUT
+        forward_or_replayed = not backward or context.settings().graph_replay
+        return (forward_or_replayed and few_channels(plan.cin)
+                and plan.cout <= FEW_CHANNEL_MAX_COUT
                 and (batch is None or _at_least(batch * plan.nout, FEW_CHANNEL_MIN_ROWS)))
     if context.settings().graph_replay:
         return plan.nout * plan.k >= plan.v
@@ -143,13 +139,13 @@ def _at_least(work, threshold) -> bool:
 
 
 def _native_choice(plan: GeometryPlan, device: torch.device, dtype: torch.dtype,
-                   backward: bool, batch, input_grad: bool) -> KNNConvOps | None:
+                   backward: bool, batch) -> KNNConvOps | None:
     """The first native backend of NATIVE_ORDER that serves the call (triton only where
     :func:`triton_suits` the call), or None (after warning once where the cuda backend
     cannot run on the device at all)."""
     for name in NATIVE_ORDER:
         if name == "triton" and not (isinstance(plan, KNNConvPlan)
-                                     and triton_suits(plan, batch, backward, input_grad)):
+                                     and triton_suits(plan, batch, backward)):
             continue
         if name in available_backends():
             ops = get_ops(name)
