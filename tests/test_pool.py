@@ -8,7 +8,7 @@ from conftest import random_geometry, with_all_padding_node
 from knnconv import KNNPool, knn_pool
 from knnconv.geometry import foveated_stack, knn_geometry
 
-MODES = ["max", "avg", "sum"]
+MODES = ["max", "avg", "sum", "max_relu"]
 
 
 def oracle_pool(x, knn_indices, nin, mode):
@@ -25,6 +25,8 @@ def oracle_pool(x, knn_indices, nin, mode):
         values = x[:, :, real]  # [B, C, real neighbours]
         if mode == "max":
             y[:, :, node] = values.max(dim=2).values
+        elif mode == "max_relu":
+            y[:, :, node] = values.max(dim=2).values.clamp_min(0)
         elif mode == "sum":
             y[:, :, node] = values.sum(dim=2)
         else:
@@ -76,6 +78,25 @@ def test_max_gradient_is_shared_between_ties_like_amax():
     knn_pool(x, knn_indices, 3, "max").sum().backward()
 
     assert torch.equal(x.grad, torch.tensor([[[0.5, 0.5, 0.0]]]))
+
+
+def test_max_relu_is_relu_then_max_in_values_and_gradients(rng):
+    geometry = random_geometry(rng, nin=30, nout=12, k=5, padding=0.2)
+    knn_indices = with_all_padding_node(geometry)
+    # halves from a narrow range: exact zeros, windows of no positive value, tied maxima
+    x = (torch.randn(3, 4, 30, generator=rng, dtype=torch.float64) * 2).round() / 2
+    grad_y = torch.randn(3, 4, 12, generator=rng, dtype=torch.float64)
+    fused = x.clone().requires_grad_()
+    unfused = x.clone().requires_grad_()
+
+    y = knn_pool(fused, knn_indices, 30, "max_relu")
+    expected = knn_pool(torch.relu(unfused), knn_indices, 30, "max")
+    y.backward(grad_y)
+    expected.backward(grad_y)
+
+    assert torch.equal(y, expected)
+    assert (expected == 0).any() and (x == 0).any()  # the case is not vacuous
+    torch.testing.assert_close(fused.grad, unfused.grad, rtol=1e-14, atol=1e-14)
 
 
 def test_max_ignores_padding_even_when_every_real_value_is_negative():

@@ -9,6 +9,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import knnconv
 import knnconv.torch_ops  # noqa: F401  (registers the ops this module checks)
 from conftest import CPU_BACKENDS, CopyKeepingOps, random_geometry, rel_err
+from knnconv.pool import POOL_MODES
 
 
 def small_network(backend: str, generator: torch.Generator) -> torch.nn.Module:
@@ -181,7 +182,7 @@ def neighbourhood_network(backend: str, generator: torch.Generator,
     ).double()
 
 
-@pytest.mark.parametrize("mode", ["max", "avg", "sum"])
+@pytest.mark.parametrize("mode", POOL_MODES)
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
 def test_compiled_pooling_and_depthwise_match_eager_without_graph_breaks(mode, compiler, rng):
     model = neighbourhood_network("torch_compact", rng, mode)
@@ -205,7 +206,7 @@ def test_pooling_and_depthwise_opcheck(backend, rng):
     channels_last = contiguous.transpose(1, 2).contiguous().transpose(1, 2)
     weight, bias = torch.randn(3, 9, generator=rng), torch.randn(3, generator=rng)
     for x in (contiguous, channels_last):
-        for mode in ("max", "avg", "sum"):
+        for mode in POOL_MODES:
             args = (x, pooling.handle, backend, mode)
             torch.library.opcheck(torch.ops.knnconv.pool_forward.default, args)
             y, ties = torch.ops.knnconv.pool_forward(*args)

@@ -19,11 +19,9 @@ from .ops.execute import (
     depthwise_forward_impl,
     forward_impl,
 )
-from .ops.registry import KNNConvOps, is_channels_last
+from .ops.registry import MAX_POOL_MODES, POOL_MODES, KNNConvOps, is_channels_last
 from .plan import KNNConvPlan, NeighbourhoodPlan
 from .torch_ops import knn_conv_op, knn_depthwise_op, knn_pool_op
-
-POOL_MODES = ("max", "avg", "sum")
 
 
 def validate_call(x, weight, bias, plan) -> None:
@@ -176,14 +174,14 @@ class KNNPoolFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, plan: NeighbourhoodPlan, ops: KNNConvOps, mode: str):
         y, ties = ops.pool_forward(plan, x, mode)
-        if mode == "max":  # the max and its tie count say which inputs get gradient
+        if mode in MAX_POOL_MODES:  # the max and its tie count say which inputs get gradient
             ctx.save_for_backward(x, y, ties)
         ctx.plan, ctx.ops, ctx.mode, ctx.channels_last = plan, ops, mode, is_channels_last(x)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, y, ties = ctx.saved_tensors if ctx.mode == "max" else (None, None, None)
+        x, y, ties = ctx.saved_tensors if ctx.mode in MAX_POOL_MODES else (None, None, None)
         dx = ctx.ops.pool_backward(ctx.plan, grad_y, x, y, ties, ctx.mode, ctx.channels_last)
         return dx, None, None, None
 

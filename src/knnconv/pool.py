@@ -2,9 +2,12 @@
 
 y[b, c, n] = reduce over the real neighbours k of n of x[b, c, knn[k, n]], where ``knn[k, n]
 == Nin`` marks a padding neighbour that takes no part: ``max`` is the largest real value,
-``avg`` the sum over the real neighbours divided by their count, ``sum`` their sum. A node
-whose neighbours are all padding gives 0 in every mode. Gradients flow like ``torch.amax``
-(shared equally between tied maxima) in ``max`` mode.
+``avg`` the sum over the real neighbours divided by their count, ``sum`` their sum, and
+``max_relu`` the max of ReLU(x), which is ReLU of the max: a ReLU followed by a max pooling in
+one pass, without the ReLU's own read and write of x (and of its gradient). A node whose
+neighbours are all padding gives 0 in every mode. Gradients flow like ``torch.amax`` (shared
+equally between tied maxima) in the max modes; in ``max_relu`` an output of at most 0 sends
+none, as ReLU's gradient there is 0.
 
 The output keeps the input's storage: pooling a convolution's channels-last output gives a
 channels-last result, which the next convolution reads without a copy.

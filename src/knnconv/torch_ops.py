@@ -22,7 +22,7 @@ from .ops.execute import (
     depthwise_forward_impl,
     forward_impl,
 )
-from .ops.registry import empty_in_storage, get_ops, in_storage, is_channels_last
+from .ops.registry import MAX_POOL_MODES, empty_in_storage, get_ops, in_storage, is_channels_last
 from .plan import GeometryPlan
 
 
@@ -158,8 +158,9 @@ def pool_backward_op(grad_y: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
                      ties: torch.Tensor, plan: str, backend: str, mode: str,
                      channels_last: bool) -> torch.Tensor:
     """dx [B, C, Nin] in grad_y's dtype, channels-last storage when ``channels_last``; x, y and
-    ties are read in max mode only (empty otherwise)."""
-    kept = (x, y, ties if ties.numel() else None) if mode == "max" else (None, None, None)
+    ties are read in the MAX_POOL_MODES only (empty otherwise)."""
+    kept = ((x, y, ties if ties.numel() else None) if mode in MAX_POOL_MODES
+            else (None, None, None))
     dx = get_ops(backend).pool_backward(_plan(plan), grad_y, *kept, mode, channels_last)
     return in_storage(dx, channels_last)
 
@@ -173,13 +174,13 @@ def _(grad_y, x, y, ties, plan, backend, mode, channels_last):
 def _pool_setup_context(ctx, inputs, output):
     x, plan, backend, mode = inputs
     y, ties = output
-    if mode == "max":
+    if mode in MAX_POOL_MODES:
         ctx.save_for_backward(x, y, ties)
     ctx.plan, ctx.backend, ctx.mode, ctx.channels_last = plan, backend, mode, is_channels_last(x)
 
 
 def _pool_backward(ctx, grad_y, _grad_ties):
-    if ctx.mode == "max":
+    if ctx.mode in MAX_POOL_MODES:
         x, y, ties = ctx.saved_tensors
     else:
         x = y = ties = grad_y.new_empty(0)

@@ -377,6 +377,54 @@ def test_family_matches_fovi_in_float64(build, family):
     assert all(layer.last_backend is not None for layer in layers.values())
 
 
+# the ReLUs whose only reader is a max pooling, fused into it (mode max_relu)
+FUSED_RELUS = {"resnet18": {"relu": "maxpool"}, "alexnet_lora": {"layers.0.activation":
+                                                                  "layers.0.pool"}}
+
+
+@pytest.mark.parametrize("family", list(FUSED_RELUS))
+def test_relus_that_feed_max_poolings_are_fused_and_stay_so_when_accelerated_again(build,
+                                                                                   family):
+    model, x = build(family)
+    model.double()
+    x = x.double()
+    expected = outputs_and_grads(model, x)
+    modules = dict(model.named_modules())
+
+    for _ in range(2):  # a second accelerate finds the ReLU fused and fuses its pooling again
+        _, report = accelerate_all(model)
+        fused = {entry.name: entry.detail for entry in report.relus_fused}
+        assert fused == {relu: f"applied by {pool}"
+                         for relu, pool in FUSED_RELUS[family].items()}
+        for relu, pool in FUSED_RELUS[family].items():
+            assert modules[pool].forward.pool.mode == "max_relu"
+            assert "mode='max_relu'" in next(entry.detail for entry in report.routed
+                                               if entry.name == pool)
+            probe = torch.randn(5, dtype=torch.float64)
+            assert torch.equal(modules[relu](probe), probe)  # the pooling applies it
+        assert_close(outputs_and_grads(model, x), expected, TOLERANCE)
+    # no other ReLU of the model changed
+    others = [m for name, m in model.named_modules()
+              if isinstance(m, nn.ReLU) and name not in FUSED_RELUS[family]]
+    assert others and all("forward" not in vars(m) for m in others)
+
+
+def test_a_relu_before_a_block_of_another_forward_is_left(build):
+    model, x = build("alexnet_lora")
+    block = model.layers[0]
+
+    class OwnBlock(type(block)):
+        def forward(self, x):  # the pooling no longer reads only the ReLU's output
+            activated = self.activation(self.norm(self.conv(x)))
+            return self.pool(activated) + 0 * activated.mean()
+
+    block.__class__ = OwnBlock
+    _, report = accelerate_all(model)
+
+    assert not report.relus_fused
+    assert block.pool.forward.pool.mode == "max"
+
+
 @pytest.fixture
 def fresh_compiler():
     torch.compiler.reset()

@@ -21,6 +21,11 @@ What is routed, and how:
   one kernel cell per neighbour, holding fovi's gaussian weight renormalised over the real
   neighbours (built once, kept on the layer as the non-persistent buffer
   ``knnconv_gaussian_weights``).
+- An ``nn.ReLU`` whose output only a routed max pooling reads (the ``activation`` and ``pool``
+  of fovi's KNNAlexNetBlock, the ``relu`` and ``maxpool`` of KNNResNet's stem, each running
+  fovi's own forward): the pooling runs in mode ``max_relu`` (ReLU of the max, one pass that
+  saves the ReLU's read and write of x and of its gradient), and the ReLU's forward passes x
+  on. The report lists them under ``relus_fused``.
 - LoRA-wrapped layers (fovi.utils.lora.apply_lora: a torch parametrization of ``weight``) like
   the layers they wrap: the routed forward reads ``layer.weight``, the parametrized weight.
 - ``KNNBatchNorm`` (fovi's BatchNorm1d over [B, C, N]), to keep the storage knnconv's
@@ -270,10 +275,49 @@ class _PoolRouter(_Router):
     def describe(self) -> str:
         return f"KNNPool({self.pool.extra_repr()})"
 
+    def fuse_relu(self) -> None:
+        """Pool ReLU(x) (mode max_relu), for a max pooling whose input a ReLU computes."""
+        self.pool.mode = "max_relu"
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.pool(x)
         self.layer.last_backend = self.pool.last_backend
         return y
+
+
+class _FusedRelu:
+    """The forward of an nn.ReLU whose only consumer, a routed max pooling, now applies it
+    (mode max_relu): x passes on unchanged."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def _relu_pool_pairs(model: nn.Module) -> Iterator[tuple[str, nn.ReLU, str, nn.Module]]:
+    """(ReLU name, ReLU, pooling name, pooling) for each nn.ReLU of the model whose output only
+    a max pooling reads: fovi's KNNAlexNetBlock (activation, then pool) and KNNResNet's stem
+    (relu, then maxpool), each running fovi's own forward, with a ReLU the model holds once."""
+    blocks = []  # (class, ReLU attribute, pooling attribute) of fovi's forwards
+    knnalexnet = sys.modules.get("fovi.models.knnalexnet")  # loaded by a model that holds one
+    if knnalexnet is not None:
+        blocks.append((knnalexnet.KNNAlexNetBlock, "activation", "pool"))
+    knnresnet = sys.modules.get("fovi.models.knnresnet")
+    if knnresnet is not None:
+        blocks.append((knnresnet.KNNResNet, "relu", "maxpool"))
+    held = [module for _, module in model.named_modules(remove_duplicate=False)]
+    for name, module in model.named_modules():
+        for block_class, relu_name, pool_name in blocks:
+            if not isinstance(module, block_class) or (type(module).forward
+                                                       is not block_class.forward):
+                continue
+            relu, pool = getattr(module, relu_name, None), getattr(module, pool_name, None)
+            # a ReLU fused by an earlier accelerate is taken again, with its pooling
+            if (type(relu) is nn.ReLU and isinstance(vars(relu).get("forward"),
+                                                     (type(None), _FusedRelu))
+                    and isinstance(pool, fovi_knn.KNNPoolingLayer) and pool.mode == "max"
+                    and sum(m is relu for m in held) == 1):
+                prefix = f"{name}." if name else ""
+                yield f"{prefix}{relu_name}", relu, f"{prefix}{pool_name}", pool
 
 
 class _GaussianPoolRouter(_Router):
@@ -691,6 +735,8 @@ class AccelerationReport:
     # modules whose forward, set on the instance, called fovi KNN layers of another model (a
     # copy's forward still bound to its original) and now calls the model's own
     forwards_rebound: list[LayerReport] = field(default_factory=list)
+    # ReLUs whose max pooling now applies them (mode max_relu); their forward passes x on
+    relus_fused: list[LayerReport] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"knnconv routed {len(self.routed)} fovi KNN layer(s) and left "
@@ -701,6 +747,7 @@ class AccelerationReport:
         lines += [f"  batch norm: {entry}" for entry in self.batch_norms]
         lines += [f"  batch norm left: {entry}" for entry in self.batch_norms_left]
         lines += [f"  forward rebound: {entry}" for entry in self.forwards_rebound]
+        lines += [f"  ReLU fused: {entry}" for entry in self.relus_fused]
         return "\n".join(lines)
 
 
@@ -716,6 +763,8 @@ def accelerate_with_report(model: nn.Module,
         report.forwards_rebound.append(entry)
     routers = _routers()
     flattened_by_view = _flattened_by_view(model)
+    relus_before = {id(pool): (relu_name, relu)
+                    for relu_name, relu, _, pool in _relu_pool_pairs(model)}
     for name, layer in model.named_modules():
         if not isinstance(layer, (fovi_knn.KNNBaseLayer, fovi_norm.KNNBatchNorm)):
             continue
@@ -733,6 +782,11 @@ def accelerate_with_report(model: nn.Module,
                     else report.left)
             left.append(LayerReport(name, type(layer).__name__, str(why)))
             continue
+        if isinstance(router, _PoolRouter) and id(layer) in relus_before:
+            relu_name, relu = relus_before[id(layer)]
+            router.fuse_relu()
+            relu.forward = _FusedRelu()
+            report.relus_fused.append(LayerReport(relu_name, "ReLU", f"applied by {name}"))
         layer.forward = router
         layer.last_backend = None
         routed = report.batch_norms if isinstance(router, _BatchNormRouter) else report.routed
@@ -745,9 +799,10 @@ def accelerate(model: nn.Module, backend: str = "auto") -> nn.Module:
 
     Each routed layer stays the same object, with the same class, attributes, parameters and
     state_dict; it gets a new ``forward`` (an instance attribute: ``del layer.forward`` gives
-    fovi's back) and ``last_backend``, the name of the backend that ran its last call (of a
-    batch norm: ``"channels_last"`` or ``"batch_norm1d"``, its own forward); a gaussian
-    pooling also gets its weights as a non-persistent buffer. A forward set on an instance
+    fovi's back, and of a max pooling that applies the ReLU before it, ``del relu.forward``
+    too: see ``relus_fused``) and ``last_backend``, the name of the backend that ran its last
+    call (of a batch norm: ``"channels_last"`` or ``"batch_norm1d"``, its own forward); a
+    gaussian pooling also gets its weights as a non-persistent buffer. A forward set on an instance
     that calls fovi KNN layers of another model (a copy's, still bound to its original) is
     rebuilt to call the model's own, or, where it cannot be, accelerate raises ValueError
     before changing anything.

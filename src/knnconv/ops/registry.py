@@ -19,6 +19,12 @@ import torch
 
 from ..plan import GeometryPlan, KNNConvPlan, NeighbourhoodPlan
 
+# The pooling modes; ``max_relu`` is the max of ReLU(x), which equals ReLU of the max: one
+# pass where a ReLU feeds a max pooling. In the max modes the backward reads x, y and the
+# forward's tie counts (MAX_POOL_MODES).
+POOL_MODES = ("max", "avg", "sum", "max_relu")
+MAX_POOL_MODES = ("max", "max_relu")
+
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """What gradients accumulate in: float64 for float64 inputs, float32 for the rest."""
@@ -151,8 +157,8 @@ class KNNConvOps:
 
     # The neighbourhood ops, on a NeighbourhoodPlan; x and grad_y [B, C, N] in either storage.
     def pool_forward(self, plan: NeighbourhoodPlan, x: torch.Tensor, mode: str):
-        """(y [B, C, Nout] in x's dtype and storage, ties): ties, for the backward of a max,
-        is a tensor of y's shape and storage in :meth:`pool_ties_dtype`, or None."""
+        """(y [B, C, Nout] in x's dtype and storage, ties): ties, for the backward of the
+        MAX_POOL_MODES, is a tensor of y's shape and storage in :meth:`pool_ties_dtype`, or None."""
         raise NotImplementedError
 
     def pool_ties_dtype(self, mode: str) -> torch.dtype | None:
@@ -162,7 +168,7 @@ class KNNConvOps:
     def pool_backward(self, plan: NeighbourhoodPlan, grad_y: torch.Tensor, x, y, ties,
                       mode: str, channels_last: bool) -> torch.Tensor:
         """dx [B, C, Nin] in grad_y's dtype (x's), channels-last storage when
-        ``channels_last``; x, y and ties (pool_forward's) are given in max mode only."""
+        ``channels_last``; x, y and ties (pool_forward's) are given in MAX_POOL_MODES only."""
         raise NotImplementedError
 
     def depthwise_forward(self, plan: NeighbourhoodPlan, x: torch.Tensor, weight: torch.Tensor,

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..plan import NeighbourhoodPlan
-from .registry import accumulation_dtype, in_storage, is_channels_last
+from .registry import MAX_POOL_MODES, accumulation_dtype, in_storage, is_channels_last
 
 
 def gather_neighbours(x: torch.Tensor, knn_indices: torch.Tensor, fill: float) -> torch.Tensor:
@@ -53,11 +53,12 @@ def pool_neighbours(x: torch.Tensor, knn_indices: torch.Tensor, nin: int,
     """The pooling of x [B, C, Nin] (knn_indices int64 on x's device), in x's dtype."""
     real = real_neighbours(knn_indices, nin)
     wide = x.to(accumulation_dtype(x.dtype))
-    if mode == "max":
+    if mode in MAX_POOL_MODES:
         # -inf padding never wins a max over a real value; a node without a real neighbour
         # would give -inf and is set to 0.
         pooled = gather_neighbours(wide, knn_indices, fill=-torch.inf).amax(dim=2)
-        return torch.where(real.any(dim=0), pooled, 0.0).to(x.dtype)
+        pooled = torch.where(real.any(dim=0), pooled, 0.0)
+        return (torch.relu(pooled) if mode == "max_relu" else pooled).to(x.dtype)
     pooled = gather_neighbours(wide, knn_indices, fill=0.0).sum(dim=2)
     if mode == "avg":
         # Clamping the count at 1 leaves an all-padding node at its sum, 0.
@@ -67,16 +68,19 @@ def pool_neighbours(x: torch.Tensor, knn_indices: torch.Tensor, nin: int,
 
 def pool_gradient(grad_y: torch.Tensor, x: torch.Tensor | None, y: torch.Tensor | None,
                   knn_indices: torch.Tensor, nin: int, mode: str) -> torch.Tensor:
-    """dx [B, C, Nin] in grad_y's dtype. Max mode (x and y given) shares each node's gradient
-    equally between the real neighbours equal to its max, as torch.amax does: a NaN max and a
-    node without a real neighbour pass none."""
+    """dx [B, C, Nin] in grad_y's dtype. The max modes (x and y given) share each node's
+    gradient equally between the real neighbours equal to its max, as torch.amax does: a NaN
+    max and a node without a real neighbour pass none, nor in max_relu a max of at most 0
+    (ReLU's gradient there is 0)."""
     real = real_neighbours(knn_indices, nin)
     batch, channels, nout = grad_y.shape
     k = knn_indices.shape[0]
     wide = grad_y.to(accumulation_dtype(grad_y.dtype))
-    if mode == "max":
+    if mode in MAX_POOL_MODES:
         gathered = gather_neighbours(x.to(wide.dtype), knn_indices, fill=-torch.inf)
         winners = (gathered == y.to(wide.dtype)[:, :, None, :]) & real
+        if mode == "max_relu":
+            winners &= y.to(wide.dtype)[:, :, None, :] > 0
         ties = winners.sum(dim=2, keepdim=True).clamp_min(1).to(wide.dtype)
         per_slot = torch.where(winners, wide[:, :, None, :] / ties, 0.0)
     else:

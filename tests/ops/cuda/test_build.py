@@ -69,12 +69,16 @@ def default_instantiations() -> dict[Path, list[str]]:
     for dtype in floats:  # the pooling / depthwise kernels, in every dtype they serve
         names.update(neighbourhood_name("knn_pool_forward", dtype, mode=mode)
                      for mode in POOL_MODE_CODES.values())
+        # the backward of max_relu is max's
+        backward_modes = [POOL_MODE_CODES[mode] for mode in POOL_MODE_CODES if mode != "max_relu"]
         names.update(neighbourhood_name("knn_pool_backward", dtype, mode=mode)
-                     for mode in POOL_MODE_CODES.values())
+                     for mode in backward_modes)
         names.update(neighbourhood_name(f"knn_pool_{direction}_channels_last", dtype, mode=mode,
                                         vector=vector, batch=batch)
-                     for direction in ("forward", "backward") for batch in POOL_BATCHES
-                     for mode in POOL_MODE_CODES.values() for vector in channel_vectors(dtype))
+                     for direction, modes in (("forward", POOL_MODE_CODES.values()),
+                                              ("backward", backward_modes))
+                     for batch in POOL_BATCHES for mode in modes
+                     for vector in channel_vectors(dtype))
         names.add(neighbourhood_name("knn_depthwise_forward", dtype))
         names.add(neighbourhood_name("knn_depthwise_grad_weight", dtype))
         names.update(neighbourhood_name("knn_depthwise_grad_input", dtype, grad)

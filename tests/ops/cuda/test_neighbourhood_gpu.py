@@ -17,6 +17,7 @@ from knnconv import KNNConv, KNNDepthwiseConv, KNNDepthwiseSeparableConv, KNNPoo
 from knnconv.ops import get_ops
 from knnconv.ops.cuda import neighbourhood
 from knnconv.ops.cuda.relayout import reverse_tables
+from knnconv.ops.registry import MAX_POOL_MODES
 
 pytestmark = pytest.mark.gpu
 
@@ -43,7 +44,7 @@ def table_with_all_padding_node(seed: int, *, nout: int, **knobs):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("mode", ["max", "avg", "sum"])
+@pytest.mark.parametrize("mode", ["max", "avg", "sum", "max_relu"])
 @pytest.mark.parametrize("batch,channels", SIZES)
 @pytest.mark.parametrize("nout", NODES)
 def test_pool_matches_float64(dtype, mode, batch, channels, nout):
@@ -81,7 +82,7 @@ def test_pool_ties_share_the_gradient_and_nan_propagates_like_torch():
 
 # The pooling kernels called directly, in both storages a [B, C, N] tensor reaches them in.
 STORAGES = ("channels_last", "contiguous")
-POOL_MODES = ("max", "avg", "sum")
+POOL_MODES = ("max", "avg", "sum", "max_relu")
 # 1 and 3: one-channel runs; 8 and 64: whole 16-byte runs in 2-byte dtypes; 70: two-channel runs.
 POOL_CHANNELS = (1, 3, 8, 64, 70)
 # Per element: max outputs are exact (one of the inputs); sums and gradients are accumulated
@@ -117,7 +118,7 @@ def pool_inputs(seed: int, batch: int, channels: int, knn: torch.Tensor, mode: s
     holds halves from a narrow range, so many windows have tied maxima."""
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, channels, POOL_NIN, generator=generator)
-    if mode == "max":
+    if mode in MAX_POOL_MODES:
         x = (x * 2).round() / 2
     x[0, -1, knn[knn != POOL_NIN][0]] = float("nan")  # the last channel: inside a vector run
     grad_y = torch.randn(batch, channels, knn.shape[1], generator=generator)
@@ -129,9 +130,10 @@ def reference_pool(x: torch.Tensor, knn: torch.Tensor, nin: int, mode: str) -> t
     the gradient between tied maxima)."""
     real = knn != nin
     neighbours = x[:, :, knn.clamp_max(nin - 1)]  # [B, C, K, Nout]
-    if mode == "max":
+    if mode in MAX_POOL_MODES:
         pooled = neighbours.masked_fill(~real, -torch.inf).amax(dim=2)
-        return torch.where(real.any(dim=0), pooled, 0.0)
+        pooled = torch.where(real.any(dim=0), pooled, 0.0)
+        return torch.relu(pooled) if mode == "max_relu" else pooled
     total = neighbours.masked_fill(~real, 0.0).sum(dim=2)
     return total / real.sum(dim=0).clamp_min(1) if mode == "avg" else total
 
@@ -145,9 +147,11 @@ def reference_pool_results(x: torch.Tensor, grad_y: torch.Tensor, knn: torch.Ten
     y64 = reference_pool(x64, knn, nin, mode)
     grad64 = grad_y.double()
     ties = None
-    if mode == "max":
+    if mode in MAX_POOL_MODES:
         grad64 = grad64.masked_fill(y64.isnan(), 0.0)
         tied = (x64[:, :, knn.clamp_max(nin - 1)] == y64[:, :, None, :]) & (knn != nin)
+        if mode == "max_relu":  # no ties where ReLU's gradient is 0
+            tied &= y64[:, :, None, :] > 0
         ties = tied.sum(dim=2)  # a NaN equals nothing, an all-padding node has no real slot
     clean = x64.nan_to_num(0.0).requires_grad_()
     reference_pool(clean, knn, nin, mode).backward(grad64)
@@ -159,7 +163,7 @@ def run_pool_kernels(x: torch.Tensor, grad_y: torch.Tensor, knn: torch.Tensor, n
     """(y, ties, dx) of pool_forward and pool_backward on the device tensors x and grad_y."""
     knn32, scale, reverse = kernel_tables(knn, nin)
     y, ties = neighbourhood.pool_forward(x, knn32, nin, mode)
-    saved = (x, y, ties) if mode == "max" else (None, None, None)
+    saved = (x, y, ties) if mode in MAX_POOL_MODES else (None, None, None)
     dx = neighbourhood.pool_backward(grad_y, *saved, scale, reverse, mode, nin,
                                      **backward_options)
     return y, ties, dx
@@ -170,10 +174,10 @@ def assert_pool_matches(results, expected, dtype: torch.dtype, mode: str) -> Non
     fail: the kernels' outputs are torch.empty)."""
     (y, ties, dx), (y64, ties64, dx64) = results, expected
     assert y.dtype == dx.dtype == dtype
-    exact = mode == "max"
+    exact = mode in MAX_POOL_MODES
     torch.testing.assert_close(y.cpu().double(), y64, rtol=0 if exact else POOL_RTOL[dtype],
                                atol=0 if exact else POOL_ATOL, equal_nan=True)
-    if mode == "max":
+    if mode in MAX_POOL_MODES:
         assert ties.dtype == neighbourhood.TIES_DTYPE
         assert torch.equal(ties.cpu().long(), ties64)
     else:
@@ -194,7 +198,7 @@ def test_pool_kernels_match_float64_in_either_storage(storage, dtype, mode, batc
     expected = reference_pool_results(x, grad_y, knn, POOL_NIN, mode)
     y64, ties64, _ = expected
     assert y64.isnan().any() and torch.equal(y64[:, :, -1], torch.zeros(batch, channels).double())
-    if mode == "max":
+    if mode in MAX_POOL_MODES:
         assert (ties64 > 1).any()  # the case is not vacuous: ties share gradients
     results = run_pool_kernels(in_storage(x.to(DEVICE), storage), in_storage(
         grad_y.to(DEVICE), storage), knn, POOL_NIN, mode)
@@ -223,9 +227,9 @@ def test_pool_backward_takes_grad_y_in_the_other_storage(storage, dtype, mode, c
     # grad_y's otherwise (no x is saved there), where the other kernels run.
     y, ties, dx = results
     _, scale, reverse = kernel_tables(knn, POOL_NIN)
-    saved = (native_x, y, ties) if mode == "max" else (None, None, None)
+    saved = (native_x, y, ties) if mode in MAX_POOL_MODES else (None, None, None)
     default = neighbourhood.pool_backward(native_grad_y, *saved, scale, reverse, mode, POOL_NIN)
-    assert_storage(default, storage if mode == "max" else other)
+    assert_storage(default, storage if mode in MAX_POOL_MODES else other)
     torch.testing.assert_close(default, dx, rtol=POOL_RTOL[dtype], atol=POOL_ATOL)
 
 
@@ -268,12 +272,14 @@ def test_channels_last_pool_loads_the_widest_aligned_channel_run(dtype, channels
     native_x = offset_channels_last(x.to(DEVICE), offset)
     results = run_pool_kernels(native_x, in_storage(grad_y.to(DEVICE), "channels_last"), knn,
                                POOL_NIN, mode)
-    code, scalar = neighbourhood.POOL_MODE_CODES[mode], SCALAR_TYPES[dtype]
-    backward = vector if mode == "max" else aligned
+    codes, scalar = neighbourhood.POOL_MODE_CODES, SCALAR_TYPES[dtype]
+    # max_relu's backward is max's
+    backward_code = codes["max" if mode in MAX_POOL_MODES else mode]
+    backward = vector if mode in MAX_POOL_MODES else aligned
     assert launched == [
-        f"knnconv::knn_pool_forward_channels_last<{scalar}, {code}, {vector}, "
+        f"knnconv::knn_pool_forward_channels_last<{scalar}, {codes[mode]}, {vector}, "
         f"{neighbourhood.POOL_BATCH}>",
-        f"knnconv::knn_pool_backward_channels_last<{scalar}, {code}, {backward}, "
+        f"knnconv::knn_pool_backward_channels_last<{scalar}, {backward_code}, {backward}, "
         f"{neighbourhood.POOL_BATCH}>"]
     for output in results:
         if output is not None:

@@ -13,7 +13,13 @@ import torch
 from ... import context
 from ...plan import GeometryPlan, KNNConvPlan, NeighbourhoodPlan
 from ..first_use import FirstUseChecks
-from ..registry import GradientsFirstOps, channels_fastest, in_storage, is_channels_last
+from ..registry import (
+    MAX_POOL_MODES,
+    GradientsFirstOps,
+    channels_fastest,
+    in_storage,
+    is_channels_last,
+)
 from . import channels_last, neighbourhood
 from .build import MIN_COMPUTE_CAPABILITY, cuda_include_dir, import_cupy, nvrtc_mismatch
 from .gemm import COMPUTE_DTYPES, BackwardLaunch, ForwardLaunch
@@ -275,7 +281,7 @@ class CudaOps(FirstUseChecks, GradientsFirstOps):
             ties, channels_last)
 
     def pool_ties_dtype(self, mode):
-        return neighbourhood.TIES_DTYPE if mode == "max" else None
+        return neighbourhood.TIES_DTYPE if mode in MAX_POOL_MODES else None
 
     def pool_backward(self, plan, grad_y, x, y, ties, mode, channels_last):
         tables = self.neighbourhood_tables(plan, grad_y.device)

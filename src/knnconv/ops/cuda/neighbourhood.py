@@ -14,13 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..registry import empty_in_storage, in_storage, is_channels_last
+from ..registry import MAX_POOL_MODES, empty_in_storage, in_storage, is_channels_last
 from .build import get_kernel, kernel_target, neighbourhood_name
 from .launch import data_pointer, launch_kernel
 from .launch_plan import MAX_GRID_YZ
 from .relayout import ReverseTables, reverse_tables
 
-POOL_MODE_CODES = {"max": 0, "avg": 1, "sum": 2}
+# The kernels' PoolMode of each pooling mode; the backward of max_relu is max's (its forward
+# leaves no tie where ReLU's gradient is 0).
+POOL_MODE_CODES = {"max": 0, "avg": 1, "sum": 2, "max_relu": 3}
 NATIVE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TIES_DTYPE = torch.uint8  # what pool_forward counts a max's ties in
 # A tie count can reach K: max mode serves windows of at most this many neighbours.
@@ -102,16 +104,17 @@ def _channels_last_indexable(channels: int, nin: int, nout: int) -> bool:
 
 
 def pool_forward(x: torch.Tensor, knn: torch.Tensor, nin: int, mode: str):
-    """(y [B, C, Nout] in x's dtype, ties [B, C, Nout] TIES_DTYPE for max, else None).
+    """(y [B, C, Nout] in x's dtype, ties [B, C, Nout] TIES_DTYPE in the MAX_POOL_MODES, else
+    None).
 
     A channels-last x (the [B, C, Nin] view of a contiguous [B, Nin, C] buffer) takes the
     channels-last kernels, whose y and ties take that storage; any other x the row kernels on
-    x.contiguous(), whose y and ties are contiguous. ValueError for max mode past
+    x.contiguous(), whose y and ties are contiguous. ValueError for the max modes past
     MAX_TIED_NEIGHBOURS neighbours.
     """
     batch, channels, _ = x.shape
     k, nout = knn.shape
-    if mode == "max" and k > MAX_TIED_NEIGHBOURS:
+    if mode in MAX_POOL_MODES and k > MAX_TIED_NEIGHBOURS:
         raise ValueError(f"max pooling counts tied maxima in {TIES_DTYPE}: it serves at most "
                          f"K = {MAX_TIED_NEIGHBOURS} neighbours, got K = {k}")
     channels_last = is_channels_last(x) and _channels_last_indexable(channels, nin, nout)
@@ -119,7 +122,7 @@ def pool_forward(x: torch.Tensor, knn: torch.Tensor, nin: int, mode: str):
         x = x.contiguous()
     y = empty_in_storage((batch, channels, nout), channels_last, x.dtype, x.device)
     ties = (empty_in_storage((batch, channels, nout), channels_last, TIES_DTYPE, x.device)
-            if mode == "max" else None)
+            if mode in MAX_POOL_MODES else None)
     mode_code = POOL_MODE_CODES[mode]
     if channels_last:
         vector = _channel_vector(channels, x.dtype, *(t for t in (x, y, ties) if t is not None))
@@ -139,11 +142,11 @@ def pool_forward(x: torch.Tensor, knn: torch.Tensor, nin: int, mode: str):
 def pool_backward(grad_y: torch.Tensor, x: torch.Tensor | None, y: torch.Tensor | None,
                   ties: torch.Tensor | None, scale: torch.Tensor, reverse: ReverseTables,
                   mode: str, nin: int, *, channels_last: bool | None = None) -> torch.Tensor:
-    """dx [B, C, Nin] in grad_y's dtype (the dtype of x). x, y and ties: max mode only, y and
-    ties as pool_forward returned them. scale: float32 [Nout], 1/(real neighbours), read in
-    avg mode.
+    """dx [B, C, Nin] in grad_y's dtype (the dtype of x). x, y and ties: the MAX_POOL_MODES
+    only, y and ties as pool_forward returned them. scale: float32 [Nout], 1/(real
+    neighbours), read in avg mode.
 
-    The kernels run in y's storage in max mode (the one pool_forward chose), else in the one
+    The kernels run in y's storage in the max modes (the one pool_forward chose), else in the one
     ``channels_last`` asks for, by default grad_y's (no x is saved there). Operands in the
     other storage (grad_y, or a saved x) are copied once into the kernels' storage: read
     through their strides, the threads of one node, channels fastest, would not coalesce. dx
@@ -151,7 +154,7 @@ def pool_backward(grad_y: torch.Tensor, x: torch.Tensor | None, y: torch.Tensor 
     True, contiguous when False).
     """
     batch, channels, nout = grad_y.shape
-    if mode == "max":
+    if mode in MAX_POOL_MODES:
         kernels_channels_last = is_channels_last(y)
     else:
         requested = is_channels_last(grad_y) if channels_last is None else channels_last
@@ -160,7 +163,7 @@ def pool_backward(grad_y: torch.Tensor, x: torch.Tensor | None, y: torch.Tensor 
                           for t in (grad_y, x, y, ties))
     dx = empty_in_storage((batch, channels, nin), kernels_channels_last, grad_y.dtype,
                           grad_y.device)
-    mode_code = POOL_MODE_CODES[mode]
+    mode_code = POOL_MODE_CODES["max" if mode in MAX_POOL_MODES else mode]
     if kernels_channels_last:
         vector = _channel_vector(channels, grad_y.dtype,
                                  *(t for t in (grad_y, x, y, ties, dx) if t is not None))

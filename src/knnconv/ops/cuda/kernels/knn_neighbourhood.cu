@@ -14,7 +14,15 @@
 
 namespace knnconv {
 
-enum PoolMode { kPoolMax = 0, kPoolAvg = 1, kPoolSum = 2 };
+// kPoolMaxRelu: the max of ReLU(x), which is ReLU of the max: the max, then outputs of at most
+// 0 set to 0 with no ties (ReLU's gradient there is 0), so max's backward serves it.
+enum PoolMode { kPoolMax = 0, kPoolAvg = 1, kPoolSum = 2, kPoolMaxRelu = 3 };
+
+// The reduction a pooling mode computes (max for kPoolMaxRelu), and whether ReLU follows it.
+template <int kMode>
+constexpr int kReduction = kMode == kPoolMaxRelu ? kPoolMax : kMode;
+template <int kMode>
+constexpr bool kThenRelu = kMode == kPoolMaxRelu;
 
 // The word one load or store of kBytes moves: a run of consecutive elements read in one
 // instruction, so a warp reading channel runs of one node issues few wide, coalesced accesses.
@@ -68,7 +76,7 @@ __device__ __forceinline__ void max_step(float value, float& best, int& ties) {
 }
 
 // y[r, n] = max / mean / sum of x[r, knn[k, n]] over the real neighbours k of n (0 when there
-// is none); for max also ties[r, n] = how many real neighbours equal the max (0 when the
+// is none; kPoolMaxRelu: see PoolMode); for max also ties[r, n] = how many real neighbours equal the max (0 when the
 // output is NaN or has no real neighbour), so the backward can share the gradient between
 // tied maxima like torch.amax. Ties are uint8: the host refuses max windows of K > 255.
 template <typename T, int kMode>
@@ -86,15 +94,19 @@ __global__ void knn_pool_forward(const T* __restrict__ x, const int* __restrict_
       if (m == nin) continue;
       const float v = to_float(row[m]);
       ++real;
-      if constexpr (kMode == kPoolMax) {
+      if constexpr (kReduction<kMode> == kPoolMax) {
         max_step(v, best, equal);
       } else {
         total += v;
       }
     }
     float out;
-    if constexpr (kMode == kPoolMax) {
+    if constexpr (kReduction<kMode> == kPoolMax) {
       out = real > 0 ? best : 0.0f;
+      if (kThenRelu<kMode> && out <= 0.0f) {  // NaN compares false: it stays
+        out = 0.0f;
+        equal = 0;
+      }
       ties[static_cast<size_t>(r) * nout + n] = static_cast<unsigned char>(equal);
     } else {
       out = kMode == kPoolAvg ? total / static_cast<float>(real > 0 ? real : 1) : total;
@@ -211,15 +223,17 @@ struct PoolWindow<T, kPoolMax, kVector, true> {
 #pragma unroll
     for (int p = 0; p < kPairs; ++p) max_step_pair(values[p], best[p], ties[p]);
   }
-  __device__ __forceinline__ void store(T* y_at, unsigned char* ties_at, int real) const {
+  __device__ __forceinline__ void store(T* y_at, unsigned char* ties_at, int real,
+                                        bool relu) const {
     const T* bests = reinterpret_cast<const T*>(best);
     const T* counts = reinterpret_cast<const T*>(ties);
     T pooled[kVector];
     unsigned char tied[kVector];
 #pragma unroll
     for (int e = 0; e < kVector; ++e) {
-      pooled[e] = real > 0 ? bests[e] : from_float<T>(0.0f);
-      tied[e] = static_cast<unsigned char>(to_float(counts[e]));
+      const bool zero = real == 0 || (relu && to_float(bests[e]) <= 0.0f);  // NaN stays
+      pooled[e] = zero ? from_float<T>(0.0f) : bests[e];
+      tied[e] = zero ? 0 : static_cast<unsigned char>(to_float(counts[e]));
     }
     store_vector(y_at, pooled);
     store_vector(ties_at, tied);
@@ -245,13 +259,15 @@ struct PoolWindow<T, kPoolMax, kVector, false> {
 #pragma unroll
     for (int e = 0; e < kVector; ++e) max_step(to_float(values[e]), best[e], ties[e]);
   }
-  __device__ __forceinline__ void store(T* y_at, unsigned char* ties_at, int real) const {
+  __device__ __forceinline__ void store(T* y_at, unsigned char* ties_at, int real,
+                                        bool relu) const {
     T pooled[kVector];
     unsigned char tied[kVector];
 #pragma unroll
     for (int e = 0; e < kVector; ++e) {
-      pooled[e] = from_float<T>(real > 0 ? best[e] : 0.0f);
-      tied[e] = static_cast<unsigned char>(ties[e]);
+      const bool zero = real == 0 || (relu && best[e] <= 0.0f);  // NaN stays
+      pooled[e] = from_float<T>(zero ? 0.0f : best[e]);
+      tied[e] = zero ? 0 : static_cast<unsigned char>(ties[e]);
     }
     store_vector(y_at, pooled);
     store_vector(ties_at, tied);
@@ -273,7 +289,7 @@ struct PoolWindow<T, kMode, kVector, false> {
 #pragma unroll
     for (int e = 0; e < kVector; ++e) total[e] += to_float(values[e]);
   }
-  __device__ __forceinline__ void store(T* y_at, unsigned char*, int real) const {
+  __device__ __forceinline__ void store(T* y_at, unsigned char*, int real, bool) const {
     const float count = kMode == kPoolAvg ? static_cast<float>(real > 0 ? real : 1) : 1.0f;
     T pooled[kVector];
 #pragma unroll
@@ -305,7 +321,7 @@ __global__ void knn_pool_forward_channels_last(const T* __restrict__ x,
   for (int b0 = blockIdx.y * kBatch; b0 < batch; b0 += gridDim.y * kBatch) {
     const int group = min(kBatch, batch - b0);
     const T* images = x + static_cast<size_t>(b0) * in_image + c;
-    PoolWindow<T, kMode, kVector> windows[kBatch];
+    PoolWindow<T, kReduction<kMode>, kVector> windows[kBatch];
 #pragma unroll
     for (int g = 0; g < kBatch; ++g) windows[g].start();
     int real = 0;
@@ -322,16 +338,25 @@ __global__ void knn_pool_forward_channels_last(const T* __restrict__ x,
     const size_t out = static_cast<size_t>(b0) * out_image + n * channels + c;
 #pragma unroll
     for (int g = 0; g < kBatch; ++g) {
-      if (g < group) windows[g].store(y + out + g * out_image, ties + out + g * out_image, real);
+      if (g < group) {
+        windows[g].store(y + out + g * out_image, ties + out + g * out_image, real,
+                         kThenRelu<kMode>);
+      }
     }
   }
 }
 
+// A max's gradient sent to one of its tied maxima: gy / ties, none where ties = 0 (a NaN max,
+// or max_relu's output of at most 0). __fdividef is exact for ties = 1 and within 2 ulp of
+// float otherwise.
+__device__ __forceinline__ float tie_share(float gradient, unsigned char ties) {
+  return ties > 0 ? __fdividef(gradient, static_cast<float>(ties)) : 0.0f;
+}
+
 // One thread's gradient of one batch element's x over kVector channels: start from its own
 // x (for max), add the gradient each output node reading it sends (share: 1, or avg's
-// 1/count), store dx. For max a node sends gy / ties where x is its max and nothing elsewhere
-// (ties = 0, a NaN max, equals nothing); __fdividef is exact for ties = 1 and within 2 ulp
-// of float otherwise.
+// 1/count), store dx. For max a node sends its gradient, tie_share(), where x is its max and
+// nothing elsewhere.
 template <typename T, int kMode, int kVector,
           bool kPacked = kMode == kPoolMax && PackedPair<T>::kExists && kVector % 2 == 0>
 struct PoolGradient {
@@ -355,7 +380,7 @@ struct PoolGradient {
 #pragma unroll
       for (int e = 0; e < kVector; ++e) {
         if (to_float(own[e]) == to_float(pooled[e])) {
-          total[e] += __fdividef(to_float(grads[e]), static_cast<float>(max(int{tied[e]}, 1)));
+          total[e] += tie_share(to_float(grads[e]), tied[e]);
         }
       }
     } else {
@@ -398,8 +423,8 @@ struct PoolGradient<T, kPoolMax, kVector, true> {
     for (int p = 0; p < kPairs; ++p) {
       const unsigned int bits = grads[p] & __heq2_mask(own[p], pooled[p]);
       const float2 sent = to_float2(*reinterpret_cast<const Pair*>(&bits));
-      total[2 * p] += __fdividef(sent.x, static_cast<float>(max(int{tied[2 * p]}, 1)));
-      total[2 * p + 1] += __fdividef(sent.y, static_cast<float>(max(int{tied[2 * p + 1]}, 1)));
+      total[2 * p] += tie_share(sent.x, tied[2 * p]);
+      total[2 * p + 1] += tie_share(sent.y, tied[2 * p + 1]);
     }
   }
   __device__ __forceinline__ void store(T* dx_at) const {
