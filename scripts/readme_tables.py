@@ -117,7 +117,7 @@ def whole_models() -> str:
 
 
 def latest_models() -> str:
-    """The newest dated whole-model run (h200_fovi_models_DATE.json: fovi's path, the
+    """The newest dated whole-model run (h200_fovi_models_DATE[_WHAT].json: fovi's path, the
     accelerated one and the grid network, fewer paths than the table's run): ResNet-18
     against the grid network, AlexNet against fovi's path, and their KNN pooling."""
     path = sorted(RESULTS.glob("h200_fovi_models_20*.json"))[-1]
@@ -134,7 +134,7 @@ def latest_models() -> str:
             for batch in (512, 2048)}
     alexnet = {batch: rows[("alexnet", "fovi", batch)] / rows[("alexnet", "accelerated", batch)]
                for batch in (512, 2048)}
-    date = path.stem.rsplit("_", 1)[1]
+    date = re.search(r"\d{4}-\d{2}-\d{2}", path.stem)[0]
     return wrap([f"The newest run ({date}, [bench/results/{path.name}](bench/results/"
                  f"{path.name}), without the compiled paths), replayed as CUDA graphs: the "
                  f"accelerated ResNet-18 costs {grid[2048]:.2f}x the grid network at B = 2048 "

@@ -156,7 +156,9 @@ def test_the_generated_figures_follow_the_files(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["h200.json", "h200_fovi_kernels.json", "h200_fovi_models.json",
-                                  "h200_fovi_models_2026-12-04.json", "h200_fovi_pools.json"])
+                                  "h200_fovi_models_2026-12-04.json",
+                                  "h200_fovi_models_2026-12-04_relu_fused.json",
+                                  "h200_fovi_pools.json"])
 def test_result_files_name_the_gpu_they_ran_on(name):
     assert "H200" in json.loads((RESULTS / name).read_text())["device"]
 
