@@ -76,9 +76,10 @@ __device__ __forceinline__ void max_step(float value, float& best, int& ties) {
 }
 
 // y[r, n] = max / mean / sum of x[r, knn[k, n]] over the real neighbours k of n (0 when there
-// is none; kPoolMaxRelu: see PoolMode); for max also ties[r, n] = how many real neighbours equal the max (0 when the
-// output is NaN or has no real neighbour), so the backward can share the gradient between
-// tied maxima like torch.amax. Ties are uint8: the host refuses max windows of K > 255.
+// is none; kPoolMaxRelu: see PoolMode); for max also ties[r, n] = how many real neighbours
+// equal the max (0 when the output is NaN or has no real neighbour), so the backward can
+// share the gradient between tied maxima like torch.amax. Ties are uint8: the host refuses
+// max windows of K > 255.
 template <typename T, int kMode>
 __global__ void knn_pool_forward(const T* __restrict__ x, const int* __restrict__ knn,
                                  T* __restrict__ y, unsigned char* __restrict__ ties, int rows,
@@ -356,20 +357,36 @@ __device__ __forceinline__ float tie_share(float gradient, unsigned char ties) {
   return ties > 0 ? share : 0.0f;
 }
 
+// The float sums of a thread's gradient over kVector channels, stored as dx.
+template <typename T, int kVector>
+struct GradientSums {
+  float total[kVector];
+
+  __device__ __forceinline__ void clear() {
+#pragma unroll
+    for (int e = 0; e < kVector; ++e) total[e] = 0.0f;
+  }
+  __device__ __forceinline__ void store(T* dx_at) const {
+    T grad[kVector];
+#pragma unroll
+    for (int e = 0; e < kVector; ++e) grad[e] = from_float<T>(total[e]);
+    store_vector(dx_at, grad);
+  }
+};
+
 // One thread's gradient of one batch element's x over kVector channels: start from its own
 // x (for max), add the gradient each output node reading it sends (share: 1, or avg's
 // 1/count), store dx. For max a node sends its gradient, tie_share(), where x is its max and
 // nothing elsewhere.
 template <typename T, int kMode, int kVector,
           bool kPacked = kMode == kPoolMax && PackedPair<T>::kExists && kVector % 2 == 0>
-struct PoolGradient {
+struct PoolGradient : GradientSums<T, kVector> {
+  using GradientSums<T, kVector>::total;
   T own[kMode == kPoolMax ? kVector : 1];
-  float total[kVector];
 
   __device__ __forceinline__ void start(const T* x_at) {
     if constexpr (kMode == kPoolMax) load_vector(x_at, own);
-#pragma unroll
-    for (int e = 0; e < kVector; ++e) total[e] = 0.0f;
+    this->clear();
   }
   __device__ __forceinline__ void add(const T* gy_at, const T* y_at,
                                       const unsigned char* ties_at, float share) {
@@ -382,19 +399,13 @@ struct PoolGradient {
       load_vector(ties_at, tied);
 #pragma unroll
       for (int e = 0; e < kVector; ++e) {
-        const float share = tie_share(to_float(grads[e]), tied[e]);
-        total[e] += to_float(own[e]) == to_float(pooled[e]) ? share : 0.0f;
+        const float sent = tie_share(to_float(grads[e]), tied[e]);
+        total[e] += to_float(own[e]) == to_float(pooled[e]) ? sent : 0.0f;
       }
     } else {
 #pragma unroll
       for (int e = 0; e < kVector; ++e) total[e] += to_float(grads[e]) * share;
     }
-  }
-  __device__ __forceinline__ void store(T* dx_at) const {
-    T grad[kVector];
-#pragma unroll
-    for (int e = 0; e < kVector; ++e) grad[e] = from_float<T>(total[e]);
-    store_vector(dx_at, grad);
   }
 };
 
@@ -402,16 +413,15 @@ struct PoolGradient {
 // gradient's bits are masked to +0 elsewhere (a product with 0 would turn an infinite or NaN
 // gradient some other input receives into NaN here).
 template <typename T, int kVector>
-struct PoolGradient<T, kPoolMax, kVector, true> {
+struct PoolGradient<T, kPoolMax, kVector, true> : GradientSums<T, kVector> {
+  using GradientSums<T, kVector>::total;
   using Pair = typename PackedPair<T>::type;
   static constexpr int kPairs = kVector / 2;
   Pair own[kPairs];
-  float total[kVector];
 
   __device__ __forceinline__ void start(const T* x_at) {
     load_pairs(x_at, own);
-#pragma unroll
-    for (int e = 0; e < kVector; ++e) total[e] = 0.0f;
+    this->clear();
   }
   __device__ __forceinline__ void add(const T* gy_at, const T* y_at,
                                       const unsigned char* ties_at, float) {
@@ -428,12 +438,6 @@ struct PoolGradient<T, kPoolMax, kVector, true> {
       total[2 * p] += tie_share(sent.x, tied[2 * p]);
       total[2 * p + 1] += tie_share(sent.y, tied[2 * p + 1]);
     }
-  }
-  __device__ __forceinline__ void store(T* dx_at) const {
-    T grad[kVector];
-#pragma unroll
-    for (int e = 0; e < kVector; ++e) grad[e] = from_float<T>(total[e]);
-    store_vector(dx_at, grad);
   }
 };
 
