@@ -44,6 +44,14 @@ def ms(value: float) -> str:
     return f"{value:.3g}" if value < 10 else f"{value:.1f}"
 
 
+def gpu_ms_per_step(result: dict, model: str, batch: int) -> dict[str, float]:
+    """The accelerated path's GPU ms per step by category (torch.profiler) in a fovi-model run
+    (runs that profiled one batch hold one entry, not a list)."""
+    entries = result["breakdown"][model]["accelerated"]
+    entries = entries if isinstance(entries, list) else [entries]
+    return next(e for e in entries if e["batch"] == batch)["ms_per_step"]
+
+
 def whole_models() -> str:
     result = load("h200_fovi_models.json")
     # the other families' run, where there is one (each file is one run of the bench)
@@ -94,15 +102,8 @@ def whole_models() -> str:
                   and (model, "fovi", mode, batch) in rows]
         return f"{min(ratios):.2f}-{max(ratios):.2f}x"
 
-    profiles = result["breakdown"]
     batch = 2048
-
-    def profile(model: str) -> dict:
-        entries = profiles[model]["accelerated"]
-        entries = entries if isinstance(entries, list) else [entries]
-        return next(e for e in entries if e["batch"] == batch)["ms_per_step"]
-
-    resnet, alexnet = profile("resnet18"), profile("alexnet")
+    resnet, alexnet = (gpu_ms_per_step(result, model, batch) for model in ("resnet18", "alexnet"))
     spent = ", ".join(f"{label} {resnet[key]:.1f} ms" for key, label in CATEGORIES)
     lines += ["", "Speedups are over fovi's own path in the same mode. Replayed as CUDA graphs "
               "(GPU time alone), the accelerated foveated ResNet-18 costs "
@@ -126,9 +127,7 @@ def latest_models() -> str:
             if r["status"] == "ok" and r["mode"] == "graph"}
 
     def pooling(model: str) -> float:
-        entries = result["breakdown"][model]["accelerated"]
-        entries = entries if isinstance(entries, list) else [entries]
-        return next(e for e in entries if e["batch"] == 2048)["ms_per_step"]["knn_pool"]
+        return gpu_ms_per_step(result, model, 2048)["knn_pool"]
 
     grid = {batch: rows[("resnet18", "accelerated", batch)] / rows[("resnet18", "grid", batch)]
             for batch in (512, 2048)}

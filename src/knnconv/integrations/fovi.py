@@ -304,6 +304,8 @@ def _relu_pool_pairs(model: nn.Module) -> Iterator[tuple[str, nn.ReLU, str, nn.M
     knnresnet = sys.modules.get("fovi.models.knnresnet")
     if knnresnet is not None:
         blocks.append((knnresnet.KNNResNet, "relu", "maxpool"))
+    if not blocks:
+        return
     held = [module for _, module in model.named_modules(remove_duplicate=False)]
     for name, module in model.named_modules():
         for block_class, relu_name, pool_name in blocks:
