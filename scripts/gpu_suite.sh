@@ -13,7 +13,7 @@
 # at most eight files there (what a device run brings back); every stage's log, the main bench's
 # h200.csv (the rows of h200.json), and the example networks' (h200_alexnet.json,
 # h200_resnet18.json), neighbourhood, re-layout, torch_binned (h200_binned.*), host-path
-# (host.json), fovi whole-model (h200_fovi_models.*, the depthwise families'
+# (host*.json), fovi whole-model (h200_fovi_models.*, the depthwise families'
 # h200_families_fovi_models.*, the larger sensor's h200_in128_fovi_models.*) and fovi-kernel
 # benchmarks' JSON/PNG
 # the pooling layers' (fovi_pools.json/png, ncu_pools.log), the stems' (h200_stems.*,
@@ -88,7 +88,12 @@ stage stems 150 python3 -m knnconv.tools.bench --geometry "$geometry" --stems --
   --layers layers.0.conv --layers stem --dtypes float16 --backends cuda,triton,auto \
   --modes forward,train,train_no_dx,train_graph,train_graph_no_dx --out "$out/logs" \
   --name h200_stems
-stage host 60 python3 scripts/bench_host.py "$geometry" "$out/logs/host.json"
+# the host path of an eager call: the smallest published layer on both native backends, and a
+# mid-sized one (host-bound on triton at B = 2048)
+stage host 120 sh -c "python3 scripts/bench_host.py '$geometry' '$out/logs/host.json' && \
+  python3 scripts/bench_host.py '$geometry' '$out/logs/host_triton.json' --backend triton && \
+  python3 scripts/bench_host.py '$geometry' '$out/logs/host_triton_mid.json' --backend triton \
+  --layer fovi-resnet18_a-0.5_res-64_rfmult-2:layer1.0.conv1 --batch 2048"
 stage neighbourhood 120 python3 scripts/bench_neighbourhood.py "$out/logs/neighbourhood.json"
 # every pooling layer of fovi's ResNet-18 and AlexNet, forward and backward against the
 # copy-bandwidth floor

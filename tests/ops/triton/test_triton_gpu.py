@@ -140,3 +140,28 @@ def test_a_layer_trains_on_it_under_autocast_and_deterministic_algorithms(storag
     assert rel_err(y, y64) < 2e-3
     assert rel_err(xg.grad, x64.grad) < 2e-3 and rel_err(wg.grad, w64.grad) < 2e-3
     assert rel_err(bg.grad, b64.grad) < 2e-3
+
+
+@pytest.mark.parametrize("cin", [3, 64])
+def test_repeated_launches_of_the_compiled_kernels_match_float64(cin):
+    """After its first launch a kernel runs through launch.run_kernel's compiled path: calls of
+    one layer at batches that change what Triton specialises on (1, 17, 32) and with a
+    misaligned bias, each on fresh inputs, all against the float64 oracle."""
+    for call, batch in enumerate((17, 32, 17, 1, 32)):
+        geometry, plan, (x, w, b, gy) = make_case(call, batch, cin, 48, torch.float16,
+                                                  nin=60, nout=30, k=9, v=12, padding=0.2)
+        xg = channels_last(x.to(DEVICE)).requires_grad_()
+        wg = w.to(DEVICE).requires_grad_()
+        bias_storage = torch.empty(49, dtype=b.dtype, device=DEVICE)
+        bias_storage[1:] = b.to(DEVICE)  # a 2-byte offset: not 16-byte aligned
+        bg = bias_storage[1:].detach().requires_grad_() if call % 2 else b.to(
+            DEVICE).requires_grad_()
+        y, ran = knnconv.knn_conv_with_backend(xg, wg, bg, plan, "triton")
+        y.backward(gy.to(DEVICE))
+        assert ran == "triton"
+        x64, w64, b64 = (t.detach().double().requires_grad_() for t in (xg, wg, bg))
+        y64 = oracle_knn_conv(x64, w64, b64, geometry)
+        y64.backward(gy.double().to(DEVICE))
+        for label, got, want in (("y", y, y64), ("dx", xg.grad, x64.grad),
+                                 ("dw", wg.grad, w64.grad), ("db", bg.grad, b64.grad)):
+            assert rel_err(got, want) < TOLERANCE[torch.float16], (call, batch, label)
