@@ -13,6 +13,8 @@ it without a GPU.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ...plan import GeometryPlan, KNNConvPlan, NeighbourhoodPlan
@@ -31,6 +33,11 @@ COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
 MIN_COMPUTE_CAPABILITY = (9, 0)  # the tensor memory accelerator
 
 
+def interpreting() -> bool:
+    """Whether Triton runs its kernels in its CPU interpreter in this process."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 class TritonOps(FirstUseChecks, GradientsFirstOps):
     """Registry ops backed by the Triton TMA kernels; first uses are checked as the ``cuda``
     backend's are (knnconv.ops.first_use)."""
@@ -46,7 +53,7 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
     def _device_reason(self, device: torch.device) -> str | None:
         if MISSING is not None:
             return MISSING
-        if device.type == "cpu" and launch.interpreting():
+        if device.type == "cpu" and interpreting():
             return None
         if device.type != "cuda":
             return f"needs CUDA tensors, got {device.type}"
@@ -66,8 +73,7 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
         if dtype not in COMPUTE_DTYPES:
             return (f"computes in float16/bfloat16, got {dtype} (use torch.autocast, or "
                     "backend='torch_compact' / 'auto' for float32)")
-        if (dtype == torch.bfloat16 and device.type == "cpu" and MISSING is None
-                and launch.interpreting()):
+        if dtype == torch.bfloat16 and device.type == "cpu" and interpreting():
             return ("runs bfloat16 on the GPU only: Triton's CPU interpreter multiplies "
                     "bfloat16 dot operands wrongly")
         if plan.cout % MIN_BLOCK:

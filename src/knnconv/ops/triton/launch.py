@@ -7,9 +7,7 @@ kernels read (see :func:`boxable`), with a multiple of MIN_BLOCK input channels 
 from __future__ import annotations
 
 import math
-import os
 from functools import cache
-from typing import Any
 
 import torch
 import triton
@@ -43,65 +41,6 @@ SUM_ENTRIES = 32
 STEM_SLOT_GRAD_BYTES = 512 * 2**20
 # the batch columns one program of the few-channel dx's per-input-node sum writes
 PAIR_SUM_BATCH = 64
-
-
-def interpreting() -> bool:
-    """Whether Triton runs its kernels in its CPU interpreter in this process."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-# Compiled kernels by (kernel, device, options, constexprs, argument classes): a launch whose
-# key is here goes straight to the compiled kernel, skipping the JIT's binding and
-# specialisation of every argument, which took more host time than the launch itself
-# (bench/NOTES.md, 2026-12-04).
-_COMPILED: dict[tuple, Any] = {}
-
-
-def _argument_class(arg: Any) -> Any:
-    """What of a runtime argument a compiled kernel may be specialised on; at least as fine as
-    Triton's own specialisation (dtype and 16-byte alignment of a pointer, an integer's size,
-    whether it is 1 or a multiple of 16; a descriptor's dtype, block and sizes), so two
-    arguments of one class always select the same compiled kernel."""
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    if isinstance(arg, bool) or arg is None:
-        return arg
-    if isinstance(arg, int):
-        return arg == 1, arg % 16 == 0, -2**31 <= arg < 2**31
-    if isinstance(arg, TensorDescriptor):
-        sizes = (*arg.shape, *arg.strides)
-        return (arg.base.dtype, tuple(arg.block_shape), arg.padding,
-                tuple((size == 1, size % 16 == 0) for size in sizes),
-                arg.base.data_ptr() % 16 == 0)
-    raise TypeError(f"no launch class for a {type(arg).__name__} argument")
-
-
-def run_kernel(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any], *,
-               warps: int, stages: int = 1) -> None:
-    """Launch ``kernel`` over ``grid`` on the current stream: ``args`` its runtime arguments
-    in order, ``constexprs`` the compile-time ones, which follow them in its signature. The
-    first launch of a key compiles through the JIT; later ones call the compiled kernel."""
-    if interpreting():
-        _check_signature(kernel, args, constexprs)
-        kernel[grid](*args, **constexprs, num_warps=warps, num_stages=stages)
-        return
-    key = (kernel, torch.cuda.current_device(), warps, stages, *constexprs.items(),
-           *map(_argument_class, args))
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        _check_signature(kernel, args, constexprs)
-        _COMPILED[key] = kernel[grid](*args, **constexprs, num_warps=warps,
-                                      num_stages=stages)
-    else:  # the compiled kernel takes every parameter in signature order
-        compiled[grid](*args, *constexprs.values())
-
-
-def _check_signature(kernel, args: tuple, constexprs: dict[str, Any]) -> None:
-    names = list(kernel.arg_names)
-    if list(constexprs) != names[len(args):]:
-        raise TypeError(f"{kernel.fn.__name__}: run_kernel takes the runtime arguments, then the "
-                        f"constexprs {names[len(args):]} in signature order, got "
-                        f"{len(args)} arguments and {list(constexprs)}")
 
 
 def boxable(t: torch.Tensor) -> bool:
@@ -202,10 +141,9 @@ def weight_by_cell(weight: torch.Tensor, cin: int, v: int, *, reverse: bool) -> 
     """weight [Cout, Cin*V] laid out by cell: [V*Cin, Cout] (wc[v*Cin + c, o] = W[o, c*V + v])
     for the forward, or [V*Cout, Cin] (wr[v*Cout + o, c]) for dx when ``reverse``."""
     cout = weight.shape[0]
-    by_channel = weight.view(cout, cin, v)
-    if reverse:
-        return by_channel.permute(2, 0, 1).reshape(v * cout, cin)
-    return by_channel.permute(2, 1, 0).reshape(v * cin, cout)
+    cells = weight.view(cout, cin, v).permute(2, 0, 1) if reverse else weight.view(
+        cout, cin, v).permute(2, 1, 0)
+    return cells.contiguous().view(-1, cin if reverse else cout)
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -218,13 +156,13 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     cells = weight_by_cell(weight, cin, v, reverse=False)
     y = _poisoned_or_empty((batch, nout, cout), x.dtype, x.device, poison)
     grid = (nout, triton.cdiv(batch, tile.block_m), triton.cdiv(cout, tile.block_n))
-    run_kernel(knn_conv_forward_kernel, grid, (
+    knn_conv_forward_kernel[grid](
         rows_descriptor(x, (tile.block_m, tile.block_k)),
         TensorDescriptor.from_tensor(cells, [tile.block_k, tile.block_n]),
         y, y if bias is None else bias, tables.count, tables.entry_x, tables.entry_w,
-        batch, nout, cout, tables.entry_x.shape[1]),
-        dict(HAS_BIAS=bias is not None, CHUNKS=cin // tile.block_k, BM=tile.block_m,
-             BN=tile.block_n, BK=tile.block_k), warps=tile.warps, stages=tile.stages)
+        batch, nout, cout, tables.entry_x.shape[1],
+        HAS_BIAS=bias is not None, CHUNKS=cin // tile.block_k, BM=tile.block_m,
+        BN=tile.block_n, BK=tile.block_k, num_warps=tile.warps, num_stages=tile.stages)
     return y.transpose(1, 2)
 
 
@@ -238,12 +176,12 @@ def grad_input(grad_y: torch.Tensor, weight: torch.Tensor, tables: TritonTables,
     cells = weight_by_cell(weight, cin, v, reverse=True)
     dx = _poisoned_or_empty((batch, nin, cin), dtype, grad_y.device, poison)
     grid = (nin, triton.cdiv(batch, tile.block_m), triton.cdiv(cin, tile.block_n))
-    run_kernel(knn_conv_grad_input_kernel, grid, (
+    knn_conv_grad_input_kernel[grid](
         rows_descriptor(grad_y, (tile.block_m, tile.block_k)),
         TensorDescriptor.from_tensor(cells, [tile.block_k, tile.block_n]),
-        dx, tables.pair_start, tables.pair_gy, tables.pair_w, batch, nin, cin),
-        dict(CHUNKS=cout // tile.block_k, BM=tile.block_m, BN=tile.block_n, BK=tile.block_k),
-        warps=tile.warps, stages=tile.stages)
+        dx, tables.pair_start, tables.pair_gy, tables.pair_w, batch, nin, cin,
+        CHUNKS=cout // tile.block_k, BM=tile.block_m, BN=tile.block_n, BK=tile.block_k,
+        num_warps=tile.warps, num_stages=tile.stages)
     return dx.transpose(1, 2)
 
 
@@ -256,13 +194,12 @@ def grad_weight(grad_y: torch.Tensor, x: torch.Tensor, tables: TritonTables, *, 
     cout = grad_y.shape[1]
     partial = _poisoned_or_empty((splits, v, cin, cout), torch.float32, x.device, poison)
     grid = (v * splits, triton.cdiv(cin, tile.block_m), triton.cdiv(cout, tile.block_n))
-    run_kernel(knn_conv_grad_weight_kernel, grid, (
+    knn_conv_grad_weight_kernel[grid](
         rows_descriptor(x, (tile.block_k, tile.block_m)),
         rows_descriptor(grad_y, (tile.block_k, tile.block_n)),
         partial, tables.cell_start, tables.cell_x, tables.cell_gy, batch, cin, cout, v,
-        splits, triton.cdiv(batch, tile.block_k)),
-        dict(BM=tile.block_m, BN=tile.block_n, BB=tile.block_k), warps=tile.warps,
-        stages=tile.stages)
+        splits, triton.cdiv(batch, tile.block_k), BM=tile.block_m,
+        BN=tile.block_n, BB=tile.block_k, num_warps=tile.warps, num_stages=tile.stages)
     # [splits, V, Cin, Cout] -> [Cout, Cin, V]: the re-layout and the sum are one pass
     return partial.permute(0, 3, 2, 1).sum(dim=0).view(cout, cin * v)
 
@@ -286,11 +223,11 @@ def stem_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     cells = weight_by_cell(weight, cin, v, reverse=False)
     y = _poisoned_or_empty((batch, nout, cout), x.dtype, x.device, poison)
     grid = (nout, triton.cdiv(batch, tile.block_m), triton.cdiv(cout, tile.block_n))
-    run_kernel(knn_stem_forward_kernel, grid, (
+    knn_stem_forward_kernel[grid](
         batch_innermost(x), cells, y, y if bias is None else bias, tables.neighbour,
-        tables.cell, batch, nin, nout, cin, cout, tables.neighbour.shape[1]),
-        dict(HAS_BIAS=bias is not None, SLOTS=slots, BM=tile.block_m, BN=tile.block_n,
-             BK=tile.block_k), warps=tile.warps, stages=tile.stages)
+        tables.cell, batch, nin, nout, cin, cout, tables.neighbour.shape[1],
+        HAS_BIAS=bias is not None, SLOTS=slots, BM=tile.block_m, BN=tile.block_n,
+        BK=tile.block_k, num_warps=tile.warps, num_stages=tile.stages)
     return y.transpose(1, 2)
 
 
@@ -306,16 +243,16 @@ def stem_grad_weight(grad_y: torch.Tensor, x: torch.Tensor, tables: StemTables, 
     rows = k * slots
     partial = _poisoned_or_empty((nout, rows, cout), torch.float32, x.device, poison)
     grid = (nout, triton.cdiv(rows, tile.block_m), triton.cdiv(cout, tile.block_n))
-    run_kernel(knn_stem_grad_weight_kernel, grid, (
+    knn_stem_grad_weight_kernel[grid](
         batch_innermost(x), rows_descriptor(grad_y, (tile.block_k, tile.block_n)), partial,
-        tables.neighbour, tables.cell, batch, nin, cin, cout, k),
-        dict(SLOTS=slots, BM=tile.block_m, BN=tile.block_n, BB=tile.block_k),
-        warps=tile.warps, stages=tile.stages)
+        tables.neighbour, tables.cell, batch, nin, cin, cout, k, SLOTS=slots,
+        BM=tile.block_m, BN=tile.block_n, BB=tile.block_k, num_warps=tile.warps,
+        num_stages=tile.stages)
     grad = _poisoned_or_empty((cout, cin * v), torch.float32, x.device, poison)
     # grad[o, c*V + cell]: a cell's sum is group cell, channel stride V, column stride Cin*V
-    run_kernel(knn_stem_entry_sum_kernel, (v, triton.cdiv(cout, tile.block_n)), (
+    knn_stem_entry_sum_kernel[(v, triton.cdiv(cout, tile.block_n))](
         partial, grad, tables.cell_start, tables.cell_slot, cout, cout, cin, slots,
-        1, v, cin * v, 0), dict(SLOTS=slots, BE=SUM_ENTRIES, BN=tile.block_n), warps=4)
+        1, v, cin * v, 0, SLOTS=slots, BE=SUM_ENTRIES, BN=tile.block_n, num_warps=4)
     return grad
 
 
@@ -341,14 +278,14 @@ def stem_grad_input(grad_y: torch.Tensor, weight: torch.Tensor, tables: StemTabl
     descriptor = rows_descriptor(grad_y, (tile.block_n, tile.block_k))
     for start in range(0, batch, chunk):
         size = min(chunk, batch - start)
-        run_kernel(knn_stem_slot_grad_kernel, (
-            nout, triton.cdiv(rows, tile.block_m), triton.cdiv(size, tile.block_n)), (
+        knn_stem_slot_grad_kernel[(nout, triton.cdiv(rows, tile.block_m),
+                                   triton.cdiv(size, tile.block_n))](
             descriptor, cells, slot_grads, tables.neighbour, tables.cell, start, chunk, nin,
-            cin, cout, k), dict(BR=tile.block_m, BB=tile.block_n, BO=tile.block_k),
-            warps=tile.warps, stages=tile.stages)
+            cin, cout, k, BR=tile.block_m, BB=tile.block_n, BO=tile.block_k,
+            num_warps=tile.warps, num_stages=tile.stages)
         # dxt[m, c, start + b]: an input node's sum is group m, channel stride B
-        run_kernel(knn_stem_entry_sum_kernel, (nin, triton.cdiv(size, PAIR_SUM_BATCH)), (
+        knn_stem_entry_sum_kernel[(nin, triton.cdiv(size, PAIR_SUM_BATCH))](
             slot_grads, dxt, tables.pair_start, tables.pair_slot, chunk, size, cin, cin,
-            cin * batch, batch, 1, start),
-            dict(SLOTS=channel_slots(cin), BE=SUM_ENTRIES, BN=PAIR_SUM_BATCH), warps=4)
+            cin * batch, batch, 1, start, SLOTS=channel_slots(cin), BE=SUM_ENTRIES,
+            BN=PAIR_SUM_BATCH, num_warps=4)
     return dxt.permute(2, 1, 0)

@@ -351,10 +351,7 @@ __global__ void knn_pool_forward_channels_last(const T* __restrict__ x,
 // or max_relu's output of at most 0). __fdividef is exact for ties = 1 and within 2 ulp of
 // float otherwise.
 __device__ __forceinline__ float tie_share(float gradient, unsigned char ties) {
-  // The quotient is computed whatever ties is, so the choice is a select: made conditional,
-  // it compiled to a branch per channel, which diverges wherever a warp holds both.
-  const float share = __fdividef(gradient, static_cast<float>(max(int{ties}, 1)));
-  return ties > 0 ? share : 0.0f;
+  return ties > 0 ? __fdividef(gradient, static_cast<float>(ties)) : 0.0f;
 }
 
 // The float sums of a thread's gradient over kVector channels, stored as dx.
@@ -399,8 +396,9 @@ struct PoolGradient : GradientSums<T, kVector> {
       load_vector(ties_at, tied);
 #pragma unroll
       for (int e = 0; e < kVector; ++e) {
-        const float sent = tie_share(to_float(grads[e]), tied[e]);
-        total[e] += to_float(own[e]) == to_float(pooled[e]) ? sent : 0.0f;
+        if (to_float(own[e]) == to_float(pooled[e])) {
+          total[e] += tie_share(to_float(grads[e]), tied[e]);
+        }
       }
     } else {
 #pragma unroll
