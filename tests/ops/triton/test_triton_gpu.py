@@ -75,7 +75,9 @@ def test_every_output_against_float64_with_poisoned_outputs(name, dtype):
                            tile=launch.grad_input_tile(batch, cin, cout, plan.nin), dtype=dtype,
                            poison=True)
     tile_w = launch.grad_weight_tile(batch, cin, cout)
-    dw = launch.grad_weight(gyg, xg, tables, v=plan.v, tile=tile_w, splits=3, poison=True)
+    dw = launch.grad_weight(gyg, xg, tables, v=plan.v, tile=tile_w,
+                            split_start=get_ops("triton").split_starts(plan, DEVICE, 3),
+                            poison=True)
     x64, w64, b64 = (t.double().requires_grad_() for t in (x, w, b))
     y64 = oracle_knn_conv(x64, w64, b64, geometry)
     y64.backward(gy.double())
@@ -83,6 +85,19 @@ def test_every_output_against_float64_with_poisoned_outputs(name, dtype):
     for label, got, want in (("y", y, y64), ("dx", dx, grads[0]), ("dw", dw, grads[1])):
         assert not torch.isnan(got).any(), f"{label}: an output was never written"
         assert rel_err(got, want) < TOLERANCE[dtype], label
+
+
+def step_against_float64(geometry, plan, xg, wg, bg, gy):
+    """A training step of leaves xg, wg, bg on the triton backend and the same on the float64
+    oracle: (label, triton's, float64's) for y and each gradient."""
+    y, ran = knnconv.knn_conv_with_backend(xg, wg, bg, plan, "triton")
+    y.backward(gy.to(DEVICE))
+    assert ran == "triton"
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (xg, wg, bg))
+    y64 = oracle_knn_conv(x64, w64, b64, geometry)
+    y64.backward(gy.double().to(DEVICE))
+    return [("y", y, y64), ("dx", xg.grad, x64.grad), ("dw", wg.grad, w64.grad),
+            ("db", bg.grad, b64.grad)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -93,14 +108,7 @@ def test_an_image_stem_against_float64_on_the_few_channel_kernels(batch, dtype):
     xg = x.to(DEVICE).requires_grad_()
     wg, bg = w.to(DEVICE).requires_grad_(), b.to(DEVICE).requires_grad_()
     get_ops("triton")._verified.clear()  # the first-use checks run, outputs poisoned
-    y, ran = knnconv.knn_conv_with_backend(xg, wg, bg, plan, "triton")
-    y.backward(gy.to(DEVICE))
-    assert ran == "triton"
-    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (xg, wg, bg))
-    y64 = oracle_knn_conv(x64, w64, b64, geometry)
-    y64.backward(gy.double().to(DEVICE))
-    for label, got, want in (("y", y, y64), ("dx", xg.grad, x64.grad),
-                             ("dw", wg.grad, w64.grad)):
+    for label, got, want in step_against_float64(geometry, plan, xg, wg, bg, gy):
         assert got.shape == want.shape, label
         assert rel_err(got, want) < TOLERANCE[dtype], label
 
@@ -111,7 +119,8 @@ def test_weight_gradients_are_bit_identical_from_run_to_run():
     xg, gyg = channels_last(x.to(DEVICE)), channels_last(gy.to(DEVICE))
     tables = get_ops("triton").tables(plan, DEVICE)
     tile = launch.grad_weight_tile(512, 64, 64)
-    runs = [launch.grad_weight(gyg, xg, tables, v=plan.v, tile=tile, splits=7)
+    split_start = get_ops("triton").split_starts(plan, DEVICE, 7)
+    runs = [launch.grad_weight(gyg, xg, tables, v=plan.v, tile=tile, split_start=split_start)
             for _ in range(5)]
     for other in runs[1:]:
         assert torch.equal(other, runs[0])
@@ -156,12 +165,5 @@ def test_repeated_calls_match_float64_whatever_triton_specialises_on(cin):
         bias_storage[1:] = b.to(DEVICE)  # a 2-byte offset: not 16-byte aligned
         bg = bias_storage[1:].detach().requires_grad_() if call % 2 else b.to(
             DEVICE).requires_grad_()
-        y, ran = knnconv.knn_conv_with_backend(xg, wg, bg, plan, "triton")
-        y.backward(gy.to(DEVICE))
-        assert ran == "triton"
-        x64, w64, b64 = (t.detach().double().requires_grad_() for t in (xg, wg, bg))
-        y64 = oracle_knn_conv(x64, w64, b64, geometry)
-        y64.backward(gy.double().to(DEVICE))
-        for label, got, want in (("y", y, y64), ("dx", xg.grad, x64.grad),
-                                 ("dw", wg.grad, w64.grad), ("db", bg.grad, b64.grad)):
+        for label, got, want in step_against_float64(geometry, plan, xg, wg, bg, gy):
             assert rel_err(got, want) < TOLERANCE[torch.float16], (call, batch, label)
