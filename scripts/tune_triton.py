@@ -92,9 +92,7 @@ def launcher(family: str, plan, batch: int, tile, operands, programs_per_sm: int
         tile, batch=batch, cin=plan.cin, cout=plan.cout, v=plan.v, entries=plan.entry_count,
         processors=torch.cuda.get_device_properties(DEVICE).multi_processor_count,
         programs_per_sm=programs_per_sm)
-    split_start = get_ops("triton").split_starts(plan, DEVICE, splits)
-    return lambda: launch.grad_weight(grad_y, x, tables, v=plan.v, tile=tile,
-                                      split_start=split_start)
+    return lambda: launch.grad_weight(grad_y, x, tables, v=plan.v, tile=tile, splits=splits)
 
 
 def tune_cell(layer, batch: int, families: list[str]) -> list[dict]:

@@ -70,9 +70,7 @@ def test_every_output_against_float64_with_poisoned_outputs(name):
                            tile=launch.grad_input_tile(batch, cin, cout, plan.nin),
                            dtype=torch.float16, poison=True)
     tile_w = launch.grad_weight_tile(batch, cin, cout)
-    dw = launch.grad_weight(gyh, xh, tables, v=plan.v, tile=tile_w,
-                            split_start=get_ops("triton").split_starts(plan, CPU, 3),
-                            poison=True)
+    dw = launch.grad_weight(gyh, xh, tables, v=plan.v, tile=tile_w, splits=3, poison=True)
 
     x64, w64, b64 = (t.half().double().requires_grad_() for t in (x, w, b))
     y64 = oracle_knn_conv(x64, w64, b64, geometry)
@@ -146,9 +144,8 @@ def test_the_weight_gradient_is_the_same_however_the_pairs_are_split():
     xh, gyh = channels_last(x.half()), channels_last(gy.half())
     tables = get_ops("triton").tables(plan, CPU)
     tile = launch.grad_weight_tile(9, 16, 32)
-    results = [launch.grad_weight(gyh, xh, tables, v=plan.v, tile=tile, poison=True,
-                                  split_start=get_ops("triton").split_starts(plan, CPU, s))
-               for s in (1, 2, 5, 40)]
+    results = [launch.grad_weight(gyh, xh, tables, v=plan.v, tile=tile, splits=s, poison=True)
+               for s in (1, 2, 5)]
     for other in results[1:]:
         assert rel_err(other, results[0]) < 1e-6
 
@@ -190,27 +187,6 @@ def test_tables_hold_every_real_entry_once_and_no_padding():
                      for e in range(int(t.cell_start[v]), int(t.cell_start[v + 1])))
     assert forward == by_input == by_cell == expected
     assert int(t.pair_start[-1]) == int(t.cell_start[-1]) == plan.entry_count
-
-
-@pytest.mark.parametrize("splits", [1, 3, 7, 40])
-def test_each_split_takes_its_share_of_the_output_nodes_from_every_cell(splits):
-    generator = torch.Generator().manual_seed(4)
-    geometry = random_geometry(generator, nin=30, nout=23, k=6, v=9, padding=0.2,
-                               collisions=True)
-    plan = geometry.plan(16, 32)
-    t = get_ops("triton").tables(plan, CPU)
-    starts = get_ops("triton").split_starts(plan, CPU, splits)
-    assert starts.shape == (plan.v, splits + 1) and starts.dtype == torch.int32
-    taken = []
-    for v in range(plan.v):
-        assert int(starts[v, 0]) == int(t.cell_start[v])
-        assert int(starts[v, -1]) == int(t.cell_start[v + 1])
-        for s in range(splits):
-            low, high = s * plan.nout // splits, (s + 1) * plan.nout // splits
-            for e in range(int(starts[v, s]), int(starts[v, s + 1])):
-                assert low <= int(t.cell_gy[e]) // 32 < high, (v, s, e)
-                taken.append(e)
-    assert sorted(taken) == list(range(plan.entry_count)), "every pair in exactly one split"
 
 
 def test_tiles_fit_the_layer():

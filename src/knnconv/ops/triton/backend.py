@@ -21,13 +21,7 @@ from ...plan import GeometryPlan, KNNConvPlan, NeighbourhoodPlan
 from ..first_use import FirstUseChecks
 from ..registry import GradientsFirstOps, in_storage
 from .configs import MIN_BLOCK, few_channels
-from .tables import (
-    StemTables,
-    TritonTables,
-    build_stem_tables,
-    build_tables,
-    split_starts,
-)
+from .tables import StemTables, TritonTables, build_stem_tables, build_tables
 
 try:  # Triton ships with torch's CUDA builds; a CPU-only install may lack it
     from . import launch
@@ -94,14 +88,6 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
         return plan.derived(device, "triton.tables", lambda t: build_tables(
             t.knn_indices, t.rf_index, nin=plan.nin, v=plan.v,
             cin=launch.padded_channels(plan.cin), cout=plan.cout))
-
-    @classmethod
-    def split_starts(cls, plan: KNNConvPlan, device: torch.device,
-                     splits: int) -> torch.Tensor:
-        """grad_weight's slices of each cell's pairs, ``splits`` per cell
-        (tables.split_starts)."""
-        return plan.derived(device, f"triton.split_starts.{splits}", lambda t: split_starts(
-            cls.tables(plan, device), splits=splits, nout=plan.nout, cout=plan.cout))
 
     @staticmethod
     def stem_tables(plan: KNNConvPlan, device: torch.device) -> StemTables:
@@ -191,8 +177,7 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
         elif need_weight:
             grads[1] = launch.grad_weight(gy, self._kernel_input(plan, x),
                                           self.tables(plan, device), v=plan.v, tile=tile_w,
-                                          split_start=self.split_starts(plan, device, splits),
-                                          poison="weight" in first)
+                                          splits=splits, poison="weight" in first)
             if cin != plan.cin:  # the padded channels' columns are the last ones
                 grads[1] = grads[1][:, :plan.cin * plan.v].contiguous()
         if need_bias:

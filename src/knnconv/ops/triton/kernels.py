@@ -14,8 +14,8 @@ here is two tensor-descriptor loads (TMA on Hopper, zero-filled out of bounds) a
   [V*Cout, Cin].
 - ``knn_conv_grad_weight_kernel``: per kernel cell v, dW_v[c, o] = sum over v's (m, n) pairs
   and batch chunks of x[b-chunk, m, c]^T @ grad_y[b-chunk, n, o]; a program owns its tile of
-  one split of the cell's pairs (those of a share of the output nodes), so no atomics: the
-  splits' partials are summed in a fixed order.
+  one split of the cell's steps (batch chunks x pairs), so no atomics: the splits' partials
+  are summed in a fixed order.
 
 Entry tables hold element offsets (m*Cin, v*Cin, ...) so a step's box coordinates are loads,
 not products. Accumulation is float32 in every kernel; outputs are stored through masked
@@ -78,22 +78,24 @@ def knn_conv_grad_input_kernel(gy_desc, w_desc, dx_ptr, start_ptr, pair_gy_ptr, 
 
 
 @triton.jit
-def knn_conv_grad_weight_kernel(x_desc, gy_desc, partial_ptr, split_start_ptr, pair_x_ptr,
-                           pair_gy_ptr, batch, cin, cout, cells, splits, batch_chunks,
+def knn_conv_grad_weight_kernel(x_desc, gy_desc, partial_ptr, start_ptr, pair_x_ptr, pair_gy_ptr,
+                           batch, cin, cout, cells, splits, batch_chunks,
                            BM: tl.constexpr, BN: tl.constexpr, BB: tl.constexpr):
     cell = tl.program_id(0) % cells
     split = tl.program_id(0) // cells
     c0 = tl.program_id(1) * BM
     o0 = tl.program_id(2) * BN
-    # the split's pairs: those of the cell whose output nodes lie in the split's share of the
-    # nodes (tables.split_starts), walked batch-major (every pair of a batch chunk, then the
-    # next chunk). The programs of one split, one per cell, then read the batch rows of the
-    # same few nodes at about the same time, so x and grad_y come from L2 instead of K reads
+    first = tl.load(start_ptr + cell)
+    pairs = tl.load(start_ptr + cell + 1) - first
+    # the cell's steps (batch chunks x pairs, batch-major), split into equal contiguous ranges:
+    # the programs of one split, one per cell, then read the same batch rows of the same
+    # neighbourhoods at about the same time, so x and grad_y come from L2 instead of K reads
     # from DRAM
-    first = tl.load(split_start_ptr + cell * (splits + 1) + split)
-    pairs = tl.load(split_start_ptr + cell * (splits + 1) + split + 1) - first
+    steps = pairs * batch_chunks
+    lo = (steps * split) // splits
+    hi = (steps * (split + 1)) // splits
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for step in range(pairs * batch_chunks):
+    for step in range(lo, hi):
         pair = first + step % pairs
         b0 = (step // pairs) * BB
         a = x_desc.load([b0, tl.load(pair_x_ptr + pair) + c0])

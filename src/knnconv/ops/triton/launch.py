@@ -186,21 +186,18 @@ def grad_input(grad_y: torch.Tensor, weight: torch.Tensor, tables: TritonTables,
 
 
 def grad_weight(grad_y: torch.Tensor, x: torch.Tensor, tables: TritonTables, *, v: int,
-                tile: TileConfig, split_start: torch.Tensor,
-                poison: bool = False) -> torch.Tensor:
-    """dW [Cout, Cin*V] in float32, deterministic: each split of each cell's pairs
-    (``split_start``, from tables.split_starts) writes its own partial tile, and the partials
-    are summed in a fixed order. x [B, Cin, Nin] and grad_y [B, Cout, Nout] must be
-    :func:`boxable`."""
+                tile: TileConfig, splits: int, poison: bool = False) -> torch.Tensor:
+    """dW [Cout, Cin*V] in float32, deterministic: each split of each cell's pairs writes its
+    own partial tile, and the partials are summed in a fixed order. x [B, Cin, Nin] and grad_y
+    [B, Cout, Nout] must be :func:`boxable`."""
     batch, cin, _ = x.shape
     cout = grad_y.shape[1]
-    splits = split_start.shape[1] - 1
     partial = _poisoned_or_empty((splits, v, cin, cout), torch.float32, x.device, poison)
     grid = (v * splits, triton.cdiv(cin, tile.block_m), triton.cdiv(cout, tile.block_n))
     knn_conv_grad_weight_kernel[grid](
         rows_descriptor(x, (tile.block_k, tile.block_m)),
         rows_descriptor(grad_y, (tile.block_k, tile.block_n)),
-        partial, split_start, tables.cell_x, tables.cell_gy, batch, cin, cout, v,
+        partial, tables.cell_start, tables.cell_x, tables.cell_gy, batch, cin, cout, v,
         splits, triton.cdiv(batch, tile.block_k), BM=tile.block_m,
         BN=tile.block_n, BB=tile.block_k, num_warps=tile.warps, num_stages=tile.stages)
     # [splits, V, Cin, Cout] -> [Cout, Cin, V]: the re-layout and the sum are one pass

@@ -19,7 +19,7 @@ class TritonTables:
     padding after them. grad_input: input node m's (output node, cell) pairs are
     [pair_start[m], pair_start[m+1]) of pair_gy (n*Cout) and pair_w (v*Cout). grad_weight: cell
     v's (input node, output node) pairs are [cell_start[v], cell_start[v+1]) of cell_x (m*Cin)
-    and cell_gy (n*Cout), in output-node order (see :func:`split_starts`). All int32."""
+    and cell_gy (n*Cout). All int32."""
 
     count: torch.Tensor  # [Nout]
     entry_x: torch.Tensor  # [Nout, K]
@@ -81,22 +81,6 @@ def build_tables(knn_indices: torch.Tensor, rf_index: torch.Tensor, *, nin: int,
         pair_w=(cell[by_input] * cout).int().contiguous(),
         cell_start=_starts(cell, v), cell_x=(m[by_cell] * cin).int().contiguous(),
         cell_gy=(n[by_cell] * cout).int().contiguous())
-
-
-def split_starts(tables: TritonTables, *, splits: int, nout: int, cout: int) -> torch.Tensor:
-    """Where each of grad_weight's ``splits`` slices of each cell's pairs starts: [V, splits + 1]
-    int32 offsets into cell_x / cell_gy. Split s of every cell takes the pairs whose output node
-    lies in the same s-th of the nodes (a cell's pairs are in node order), so the programs of
-    one split, one per cell, read the rows of the same few nodes while they run."""
-    cells = tables.cell_start.numel() - 1
-    counts = tables.cell_start[1:] - tables.cell_start[:-1]
-    cell_of_pair = torch.repeat_interleave(
-        torch.arange(cells, device=counts.device), counts.long())
-    keys = cell_of_pair * nout + (tables.cell_gy // cout).long()  # ascending
-    bounds = torch.div(torch.arange(splits + 1, device=keys.device) * nout, splits,
-                       rounding_mode="floor")
-    queries = torch.arange(cells, device=keys.device).unsqueeze(1) * nout + bounds
-    return torch.searchsorted(keys, queries).int().contiguous()
 
 
 def build_stem_tables(knn_indices: torch.Tensor, rf_index: torch.Tensor, *, nin: int,
