@@ -1,5 +1,6 @@
-"""Time KNN pooling and depthwise KNN convolution, torch ops against the native kernels, on a
-foveated layer of the built-in stack (GPU). Medians of CUDA-event-timed calls as a user sees
+"""Time KNN pooling and depthwise KNN convolution, torch ops against the native kernels (the
+cuda backend's; the triton backend's depthwise ones too), on a foveated layer of the built-in
+stack (GPU). Medians of CUDA-event-timed calls as a user sees
 them; writes OUT.json and a bar chart OUT.png.
 
     python scripts/bench_neighbourhood.py OUT.json
@@ -23,11 +24,13 @@ K = 9
 
 
 def layers(backend: str, knn, rf, nin: int, v: int) -> dict:
-    return {
+    """The layers ``backend`` serves (the triton backend: the depthwise convolution alone)."""
+    pools = {} if backend == "triton" else {
         "pool_max": KNNPool(knn, nin=nin, mode="max", backend=backend),
         "pool_avg": KNNPool(knn, nin=nin, mode="avg", backend=backend),
-        "depthwise": KNNDepthwiseConv(CHANNELS, knn, rf, nin=nin, v=v, backend=backend),
     }
+    return {**pools,
+            "depthwise": KNNDepthwiseConv(CHANNELS, knn, rf, nin=nin, v=v, backend=backend)}
 
 
 def time_layer(layer, x: torch.Tensor, device: torch.device) -> dict[str, float]:
@@ -58,7 +61,7 @@ def main(out: str) -> None:
     for batch in BATCHES:
         x = torch.randn(batch, CHANNELS, len(sensor), device=device, dtype=torch.float16,
                         requires_grad=True)
-        for backend in ("torch_compact", "cuda"):
+        for backend in ("torch_compact", "cuda", "triton"):
             for name, layer in layers(backend, knn, rf, len(sensor), v).items():
                 layer = layer.to(device, torch.float16)
                 for mode, ms in time_layer(layer, x, device).items():
@@ -75,7 +78,7 @@ def main(out: str) -> None:
 
 
 def plot(result: dict, path: str) -> None:
-    """Speedup of the native kernels over torch ops, per op, batch and mode."""
+    """Speedup of the cuda backend's kernels over torch ops, per op, batch and mode."""
     import matplotlib
 
     matplotlib.use("Agg")

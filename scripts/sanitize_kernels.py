@@ -1,6 +1,7 @@
-"""Run every kernel family (the convolution's of the cuda and triton backends, and the
-pooling / depthwise ones) once per edge shape, for compute-sanitizer (memcheck, racecheck,
-initcheck, synccheck). Exits non-zero if any result disagrees with the float64 reference.
+"""Run every kernel family (the convolution's and depthwise convolution's of the cuda and
+triton backends, and the cuda backend's pooling) once per edge shape, for compute-sanitizer
+(memcheck, racecheck, initcheck, synccheck). Exits non-zero if any result disagrees with the
+float64 reference.
 
     compute-sanitizer --tool memcheck python scripts/sanitize_kernels.py
 """
@@ -111,16 +112,21 @@ def run_triton_case(batch, cin, cout, nin, nout, k, v, padding, dtype, generator
 
 def run_neighbourhood_case(batch, cin, cout, nin, nout, k, v, padding, dtype,
                            generator) -> float:
-    """The pooling (every mode) and depthwise kernels, forward and backward, on one shape."""
+    """The pooling (every mode) and depthwise kernels (the cuda backend's, and the triton
+    backend's where it serves), forward and backward, on one shape."""
     knn, rf = random_tables(nin, nout, k, v, padding, generator)
     x = torch.randn(batch, cin, nin, generator=generator).to(dtype)
     grad_y = torch.randn(batch, cin, nout, generator=generator).to(dtype)
     errors = []
-    layers = [knnconv.KNNPool(knn, nin=nin, mode=mode) for mode in ("max", "avg", "sum")]
-    layers.append(knnconv.KNNDepthwiseConv(cin, knn, rf, nin=nin, v=v))
-    for layer in layers:
+    cases = [(knnconv.KNNPool(knn, nin=nin, mode=mode), "cuda") for mode in ("max", "avg", "sum")]
+    depthwise = knnconv.KNNDepthwiseConv(cin, knn, rf, nin=nin, v=v)
+    cases.append((depthwise, "cuda"))
+    if not knnconv.get_ops("triton").unsupported_reason(depthwise.plan, torch.device("cuda"),
+                                                        dtype):
+        cases.append((copy.deepcopy(depthwise), "triton"))
+    for layer, backend in cases:
         native = layer.to("cuda", dtype)
-        native.backend = "cuda"
+        native.backend = backend
         reference = copy.deepcopy(native).to("cpu", torch.float64)  # the rounded weights
         reference.backend = "torch_compact"
         results = []

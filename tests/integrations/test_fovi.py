@@ -22,6 +22,8 @@ from knnconv.integrations.fovi import (  # noqa: E402
     accelerate,
     accelerate_with_report,
 )
+from knnconv.ops import registry  # noqa: E402
+from knnconv.ops.registry import KNNConvOps  # noqa: E402
 
 # fovi's constructors call torch.meshgrid without an indexing argument and torch.tensor on a
 # tensor; neither is this package's to fix.
@@ -134,10 +136,17 @@ def test_conv_layers_match_fovi(kind, coords):
     check_routed(layer, x, reference, AUTO_DEPTHWISE_ON_CPU if depthwise else AUTO_ON_CPU)
 
 
+class ConvolutionOnlyOps(KNNConvOps):
+    """A registered backend of convolution kernels alone (as a user may register)."""
+
+    name = "convolution_only_test"
+
+
 def test_depthwise_layers_asked_for_a_backend_without_depthwise_kernels_say_they_run_auto(
-        coords):
+        coords, monkeypatch):
+    monkeypatch.setitem(registry._REGISTRY, ConvolutionOnlyOps.name, ConvolutionOnlyOps())
     layer = fovi_knn.KNNDepthwiseConvLayer(3, 3, 9, *coords, device="cpu", bias=True)
-    _, report = accelerate_with_report(layer, backend="triton")
+    _, report = accelerate_with_report(layer, backend=ConvolutionOnlyOps.name)
     assert "backend='auto'" in report.routed[0].detail
     layer(torch.randn(2, 3, len(coords[0])))
     assert layer.last_backend == AUTO_DEPTHWISE_ON_CPU

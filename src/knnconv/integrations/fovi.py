@@ -201,8 +201,8 @@ class _DepthwiseRouter(_PlanRouter):
 
     knnconv's depthwise convolution over the layer's tables, with the weight laid out
     [C*G, V] (row c*G + g holds W[c, :, g]); a multiplier G > 1 repeats each input channel G
-    times first. The backend is the layer's where it has depthwise kernels, else 'auto' (the
-    triton backend has none); ``last_backend`` names the one that ran.
+    times first. The backend is the layer's where it has depthwise kernels, else 'auto';
+    ``last_backend`` names the one that ran.
     """
 
     kernel_name = "weight"

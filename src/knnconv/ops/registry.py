@@ -74,7 +74,8 @@ class KNNConvOps:
     # True when forward accepts a float32 bias whatever the compute dtype (and adds it in
     # float32), sparing the autograd layer a cast under autocast.
     float32_bias: bool = False
-    # True when the backend implements the neighbourhood ops (pool_*, depthwise_*).
+    # True when the backend implements neighbourhood ops (pool_*, depthwise_*); its
+    # unsupported_reason names any it lacks.
     serves_neighbourhood: bool = False
 
     def unsupported_reason(self, plan: GeometryPlan, device: torch.device, dtype: torch.dtype,

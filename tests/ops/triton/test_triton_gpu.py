@@ -3,7 +3,8 @@ output against the float64 oracle on fresh random inputs, outputs NaN-poisoned b
 kernels run, in float16 and bfloat16, at odd sizes (B = 1, 17, 129; Cout not a multiple of
 64; Nout = 1), with padding, bin collisions and all-padding nodes, and image stems (three
 input channels: the few-channel kernels); bit-identical weight
-gradients from run to run; the training path under autocast and deterministic algorithms.
+gradients from run to run; the training path under autocast and deterministic algorithms;
+the depthwise convolution's kernels against float64.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import torch
 
 import knnconv
 from conftest import oracle_knn_conv, random_geometry, rel_err, with_all_padding_node
+from knnconv.functional import knn_depthwise_conv_with_backend
 from knnconv.ops import get_ops
 from knnconv.ops.triton import backend
+from knnconv.plan import NeighbourhoodPlan
+from test_depthwise import oracle_depthwise
 
 pytestmark = pytest.mark.gpu
 
@@ -164,3 +168,34 @@ def test_repeated_calls_match_float64_whatever_triton_specialises_on(cin):
             DEVICE).requires_grad_()
         for label, got, want in step_against_float64(geometry, plan, xg, wg, bg, gy):
             assert rel_err(got, want) < TOLERANCE[torch.float16], (call, batch, label)
+
+
+@pytest.mark.parametrize("storage", ["channels_last", "contiguous"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("batch", [1, 129])
+def test_the_depthwise_convolution_against_float64(batch, dtype, storage):
+    """The depthwise kernels (first uses checked, outputs poisoned) through
+    knn_depthwise_conv_with_backend, with padding, bin collisions and an all-padding node."""
+    generator = torch.Generator().manual_seed(batch)
+    geometry = random_geometry(generator, nin=90, nout=40, k=9, v=9, padding=0.2,
+                               collisions=True)
+    geometry = type(geometry)(with_all_padding_node(geometry), geometry.rf_index, geometry.nin,
+                              geometry.v)
+    plan = NeighbourhoodPlan(geometry.knn_indices, nin=geometry.nin, rf_index=geometry.rf_index,
+                             v=geometry.v)
+    x, w, b, gy = (torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype)
+                   for shape in ((batch, 80, plan.nin), (80, plan.v), (80,),
+                                 (batch, 80, plan.nout)))
+    x = channels_last(x) if storage == "channels_last" else x
+    leaves = [t.to(DEVICE).requires_grad_() for t in (x, w, b)]
+    get_ops("triton")._verified.clear()
+    y, ran = knn_depthwise_conv_with_backend(*leaves, plan, "triton")
+    y.backward(gy.to(DEVICE))
+    assert ran == "triton"
+    wide = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    y64 = oracle_depthwise(*wide, geometry)
+    y64.backward(gy.double())
+    for label, got, want in (("y", y, y64), *zip(("dx", "dw", "db"),
+                                                 (t.grad for t in leaves),
+                                                 (t.grad for t in wide), strict=True)):
+        assert rel_err(got.cpu(), want) < TOLERANCE[dtype], label

@@ -21,7 +21,14 @@ from ...plan import GeometryPlan, KNNConvPlan, NeighbourhoodPlan
 from ..first_use import FirstUseChecks
 from ..registry import GradientsFirstOps, in_storage
 from .configs import MIN_BLOCK, few_channels
-from .tables import StemTables, TritonTables, build_stem_tables, build_tables
+from .tables import (
+    DepthwiseTables,
+    StemTables,
+    TritonTables,
+    build_depthwise_tables,
+    build_stem_tables,
+    build_tables,
+)
 
 try:  # Triton ships with torch's CUDA builds; a CPU-only install may lack it
     from . import launch
@@ -30,6 +37,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     launch, MISSING = None, f"Triton with tensor descriptors is not importable ({exc})"
 
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
+# the depthwise kernels multiply on the CUDA cores, in float32, whatever their operands
+DEPTHWISE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_COMPUTE_CAPABILITY = (9, 0)  # the tensor memory accelerator
 
 
@@ -65,10 +74,20 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
                     f"accelerator), device {index} has {self._capabilities[index]}")
         return None
 
+    # of the neighbourhood ops, the depthwise convolution (knnconv.ops.triton.depthwise_kernels);
+    # pooling runs on the cuda and torch backends
+    serves_neighbourhood = True
+
     def unsupported_reason(self, plan: GeometryPlan, device: torch.device, dtype: torch.dtype,
                            *, backward: bool = True) -> str | None:
+        if isinstance(plan, NeighbourhoodPlan):
+            if plan.v is None:
+                return "has no pooling kernels (the cuda and torch backends pool)"
+            if dtype not in DEPTHWISE_DTYPES:
+                return f"computes depthwise convolutions in {DEPTHWISE_DTYPES}, got {dtype}"
+            return self._device_reason(device)
         reason = super().unsupported_reason(plan, device, dtype, backward=backward)
-        if reason is not None or isinstance(plan, NeighbourhoodPlan):
+        if reason is not None:
             return reason
         if dtype not in COMPUTE_DTYPES:
             return (f"computes in float16/bfloat16, got {dtype} (use torch.autocast, or "
@@ -186,6 +205,58 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
         grad_x = None if grads[0] is None else in_storage(grads[0], dx_channels_last)
         grad_w = None if grads[1] is None else grads[1].to(grad_dtypes[1])
         grad_b = None if grads[2] is None else grads[2].to(grad_dtypes[2])
+        return grad_x, grad_w, grad_b
+
+    @staticmethod
+    def depthwise_tables(plan: NeighbourhoodPlan, device: torch.device) -> DepthwiseTables:
+        return plan.derived(device, "triton.depthwise", lambda t: build_depthwise_tables(
+            t.knn_indices, t.slot_cells, nin=plan.nin, v=plan.v))
+
+    def depthwise_forward(self, plan, x, weight, bias):
+        tile = launch.depthwise_tile("depthwise_forward", x.shape[0], x.shape[1])
+        key = ("depthwise_forward", x.dtype, tile, x.device, bias is not None)
+        first = self._first_use(key)
+        y = launch.depthwise_forward(x, weight, bias, self.depthwise_tables(plan, x.device),
+                                     nin=plan.nin, tile=tile, poison=first)
+        if first:
+            self._check(key, y, lambda *args: self._oracle.depthwise_forward(plan, *args), x,
+                        weight, bias)
+        return y
+
+    def depthwise_gradients(self, plan, grad_y, x, weight, needs, dtypes):
+        need_input, need_weight, need_bias = needs
+        device, (batch, channels, _) = grad_y.device, grad_y.shape
+        grad_dtypes = tuple(torch.float32 if d is None else d for d in dtypes)
+        tables = self.depthwise_tables(plan, device)
+        oracle = self._oracle
+        grad_x = grad_w = grad_b = None
+        if need_input:
+            tile = launch.depthwise_tile("depthwise_grad_input", batch, channels)
+            key = ("depthwise_grad_input", grad_y.dtype, tile, device, grad_dtypes[0])
+            first = self._first_use(key)
+            grad_x = launch.depthwise_grad_input(grad_y, weight, tables, nin=plan.nin,
+                                                 tile=tile, dtype=grad_dtypes[0], poison=first)
+            if first:
+                self._check(key, grad_x, lambda g, w: oracle.depthwise_gradients(
+                    plan, g, None, w, (True, False, False), (torch.float32,) * 3)[0],
+                    grad_y, weight)
+            grad_x = in_storage(grad_x, channels_last=False)  # the ops' contract: contiguous
+        if need_weight:
+            tile = launch.depthwise_tile("depthwise_grad_weight", batch, channels)
+            splits = launch.depthwise_grad_weight_splits(
+                tile, batch=batch, channels=channels, v=plan.v,
+                entries=int(tables.cell_start[-1]), processors=self._processors(device))
+            key = ("depthwise_grad_weight", grad_y.dtype, tile, device, splits)
+            first = self._first_use(key)
+            grad_w = launch.depthwise_grad_weight(grad_y, x, tables, v=plan.v, tile=tile,
+                                                  splits=splits, poison=first)
+            if first:
+                self._check(key, grad_w, lambda g, xs: oracle.depthwise_gradients(
+                    plan, g, xs, None, (False, True, False), (torch.float32,) * 3)[1],
+                    grad_y, x)
+            grad_w = grad_w.to(grad_dtypes[1])
+        if need_bias:
+            grad_b = grad_y.sum(dim=(0, 2), dtype=torch.float32).to(grad_dtypes[2])
         return grad_x, grad_w, grad_b
 
     def _processors(self, device: torch.device) -> int:

@@ -78,22 +78,29 @@ def knn_conv_grad_input_kernel(gy_desc, w_desc, dx_ptr, start_ptr, pair_gy_ptr, 
 
 
 @triton.jit
+def cell_split_steps(start_ptr, cells, splits, batch_chunks):
+    """This program's kernel cell (program id 0 is split * cells + cell), its pairs
+    [first, first + pairs) and its range [lo, hi) of the cell's steps: batch chunks x pairs,
+    batch-major (step s is pair s % pairs of chunk s // pairs), split into equal contiguous
+    ranges."""
+    cell = tl.program_id(0) % cells
+    split = tl.program_id(0) // cells
+    first = tl.load(start_ptr + cell)
+    pairs = tl.load(start_ptr + cell + 1) - first
+    steps = pairs * batch_chunks
+    return cell, first, pairs, (steps * split) // splits, (steps * (split + 1)) // splits
+
+
+@triton.jit
 def knn_conv_grad_weight_kernel(x_desc, gy_desc, partial_ptr, start_ptr, pair_x_ptr, pair_gy_ptr,
                            batch, cin, cout, cells, splits, batch_chunks,
                            BM: tl.constexpr, BN: tl.constexpr, BB: tl.constexpr):
-    cell = tl.program_id(0) % cells
-    split = tl.program_id(0) // cells
     c0 = tl.program_id(1) * BM
     o0 = tl.program_id(2) * BN
-    first = tl.load(start_ptr + cell)
-    pairs = tl.load(start_ptr + cell + 1) - first
-    # the cell's steps (batch chunks x pairs, batch-major), split into equal contiguous ranges:
-    # the programs of one split, one per cell, then read the same batch rows of the same
+    # the programs of one split, one per cell, read the same batch rows of the same
     # neighbourhoods at about the same time, so x and grad_y come from L2 instead of K reads
     # from DRAM
-    steps = pairs * batch_chunks
-    lo = (steps * split) // splits
-    hi = (steps * (split + 1)) // splits
+    cell, first, pairs, lo, hi = cell_split_steps(start_ptr, cells, splits, batch_chunks)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for step in range(lo, hi):
         pair = first + step % pairs
@@ -103,5 +110,5 @@ def knn_conv_grad_weight_kernel(x_desc, gy_desc, partial_ptr, start_ptr, pair_x_
         acc = tl.dot(tl.trans(a), g, acc)
     rows = c0 + tl.arange(0, BM)
     cols = o0 + tl.arange(0, BN)
-    out = partial_ptr + ((split * cells + cell) * cin + rows[:, None]) * cout + cols[None, :]
+    out = partial_ptr + (tl.program_id(0) * cin + rows[:, None]) * cout + cols[None, :]
     tl.store(out, acc, mask=(rows[:, None] < cin) & (cols[None, :] < cout))

@@ -14,6 +14,11 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .configs import MIN_BLOCK, TileConfig, tile_config
+from .depthwise_kernels import (
+    knn_depthwise_forward_kernel,
+    knn_depthwise_grad_input_kernel,
+    knn_depthwise_grad_weight_kernel,
+)
 from .kernels import (
     knn_conv_forward_kernel,
     knn_conv_grad_input_kernel,
@@ -25,7 +30,7 @@ from .stem_kernels import (
     knn_stem_grad_weight_kernel,
     knn_stem_slot_grad_kernel,
 )
-from .tables import StemTables, TritonTables
+from .tables import DepthwiseTables, StemTables, TritonTables
 
 TMA_ALIGNMENT = 16  # bytes: a tensor map's base address and row strides
 # grad_weight splits each cell's steps (batch chunks x pairs) until the grid holds this many
@@ -132,9 +137,22 @@ def grad_weight_splits(tile: TileConfig, *, batch: int, cin: int, cout: int, v: 
     """How many slices each cell's steps are split into: enough for ``programs_per_sm``
     programs per SM, none with fewer than MIN_STEPS_PER_SPLIT steps (on average)."""
     tiles = v * math.ceil(cin / tile.block_m) * math.ceil(cout / tile.block_n)
-    wanted = math.ceil(programs_per_sm * processors / tiles)
     steps = entries * math.ceil(batch / tile.block_k) // v
-    return max(1, min(wanted, steps // MIN_STEPS_PER_SPLIT))
+    return _splits(tiles, steps, processors, programs_per_sm)
+
+
+def _splits(tiles: int, steps_per_tile: int, processors: int, programs_per_sm: int) -> int:
+    wanted = math.ceil(programs_per_sm * processors / tiles)
+    return max(1, min(wanted, steps_per_tile // MIN_STEPS_PER_SPLIT))
+
+
+def depthwise_grad_weight_splits(tile: TileConfig, *, batch: int, channels: int, v: int,
+                                 entries: int, processors: int) -> int:
+    """grad_weight_splits for the depthwise dW: a tile is one cell's channel tile, a step
+    one batch chunk of one of its slots."""
+    tiles = v * math.ceil(channels / tile.block_n)
+    steps = entries * math.ceil(batch / tile.block_m) // v
+    return _splits(tiles, steps, processors, PROGRAMS_PER_SM)
 
 
 def weight_by_cell(weight: torch.Tensor, cin: int, v: int, *, reverse: bool) -> torch.Tensor:
@@ -202,6 +220,65 @@ def grad_weight(grad_y: torch.Tensor, x: torch.Tensor, tables: TritonTables, *, 
         BN=tile.block_n, BB=tile.block_k, num_warps=tile.warps, num_stages=tile.stages)
     # [splits, V, Cin, Cout] -> [Cout, Cin, V]: the re-layout and the sum are one pass
     return partial.permute(0, 3, 2, 1).sum(dim=0).view(cout, cin * v)
+
+
+@cache
+def depthwise_tile(family: str, batch: int, channels: int) -> TileConfig:
+    return tile_config(family, batch=batch, n=channels)
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, node, channel) element strides of [B, C, N] t."""
+    return t.stride(0), t.stride(2), t.stride(1)
+
+
+def depthwise_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      tables: DepthwiseTables, *, nin: int, tile: TileConfig,
+                      poison: bool = False) -> torch.Tensor:
+    """The depthwise y [B, C, Nout] in x's dtype, the view of a contiguous [B, Nout, C]
+    buffer; x [B, C, Nin] in any storage (channels-last reads its rows whole)."""
+    batch, channels, _ = x.shape
+    nout = tables.neighbour.shape[1]
+    y = _poisoned_or_empty((batch, nout, channels), x.dtype, x.device, poison).transpose(1, 2)
+    grid = (nout, triton.cdiv(batch, tile.block_m), triton.cdiv(channels, tile.block_n))
+    knn_depthwise_forward_kernel[grid](
+        x, weight.t().contiguous(), y if bias is None else bias, y, tables.neighbour,
+        tables.cell, batch, channels, nin, nout, tables.neighbour.shape[0], *_strides(x),
+        *_strides(y), HAS_BIAS=bias is not None, BB=tile.block_m, BC=tile.block_n,
+        num_warps=tile.warps, num_stages=tile.stages)
+    return y
+
+
+def depthwise_grad_input(grad_y: torch.Tensor, weight: torch.Tensor, tables: DepthwiseTables,
+                         *, nin: int, tile: TileConfig, dtype: torch.dtype,
+                         poison: bool = False) -> torch.Tensor:
+    """The depthwise dx [B, C, Nin] in ``dtype``, the view of a contiguous [B, Nin, C]
+    buffer, each element written once; grad_y [B, C, Nout] in any storage."""
+    batch, channels, _ = grad_y.shape
+    dx = _poisoned_or_empty((batch, nin, channels), dtype, grad_y.device, poison).transpose(1, 2)
+    grid = (nin, triton.cdiv(batch, tile.block_m), triton.cdiv(channels, tile.block_n))
+    knn_depthwise_grad_input_kernel[grid](
+        grad_y, weight.t().contiguous(), dx, tables.pair_start, tables.pair_node,
+        tables.pair_cell, batch, channels, *_strides(grad_y), *_strides(dx), BB=tile.block_m,
+        BC=tile.block_n, num_warps=tile.warps, num_stages=tile.stages)
+    return dx
+
+
+def depthwise_grad_weight(grad_y: torch.Tensor, x: torch.Tensor, tables: DepthwiseTables, *,
+                          v: int, tile: TileConfig, splits: int,
+                          poison: bool = False) -> torch.Tensor:
+    """The depthwise dW [C, V] in float32, deterministic: each split of each cell's steps
+    writes its own partial row, and the partials are summed in a fixed order. x [B, C, Nin]
+    and grad_y [B, C, Nout] in any storage."""
+    batch, channels, _ = x.shape
+    partial = _poisoned_or_empty((splits, v, channels), torch.float32, x.device, poison)
+    grid = (v * splits, triton.cdiv(channels, tile.block_n))
+    knn_depthwise_grad_weight_kernel[grid](
+        x, grad_y, partial, tables.cell_start, tables.cell_input, tables.cell_node, batch,
+        channels, v, splits, triton.cdiv(batch, tile.block_m), *_strides(x),
+        *_strides(grad_y), BB=tile.block_m, BC=tile.block_n, num_warps=tile.warps,
+        num_stages=tile.stages)
+    return partial.sum(dim=0).t().contiguous()
 
 
 def batch_innermost(x: torch.Tensor) -> torch.Tensor:

@@ -96,3 +96,38 @@ def build_stem_tables(knn_indices: torch.Tensor, rf_index: torch.Tensor, *, nin:
         cell_slot=slots[torch.argsort(cell, stable=True)].int().contiguous(),
         pair_start=_starts(m, nin),
         pair_slot=slots[torch.argsort(m, stable=True)].int().contiguous())
+
+
+@dataclass
+class DepthwiseTables:
+    """The depthwise kernels' tables (knnconv.ops.triton.depthwise_kernels): node n's slot k
+    reads input neighbour[k, n] (Nin for padding) through cell[k, n] ([K, Nout], as
+    knn_indices); input node m's real slots are [pair_start[m], pair_start[m+1]) of pair_node
+    (n) and pair_cell; kernel cell u's real slots are [cell_start[u], cell_start[u+1]) of
+    cell_input (m) and cell_node (n), in node order. All int32."""
+
+    neighbour: torch.Tensor  # [K, Nout]
+    cell: torch.Tensor  # [K, Nout]
+    pair_start: torch.Tensor  # [Nin + 1]
+    pair_node: torch.Tensor  # [entries]
+    pair_cell: torch.Tensor  # [entries]
+    cell_start: torch.Tensor  # [V + 1]
+    cell_input: torch.Tensor  # [entries]
+    cell_node: torch.Tensor  # [entries]
+
+
+def build_depthwise_tables(knn_indices: torch.Tensor, slot_cells: torch.Tensor, *, nin: int,
+                           v: int) -> DepthwiseTables:
+    """The depthwise kernels' tables of a layer (knn_indices [K, Nout], slot_cells [K, Nout]
+    with V on padding slots), on their device."""
+    neighbours, cells = knn_indices.t(), slot_cells.t()  # node-major [Nout, K]
+    real = neighbours != nin
+    nodes = torch.arange(neighbours.shape[0], device=neighbours.device).unsqueeze(1)
+    m, n, cell = neighbours[real], nodes.expand_as(neighbours)[real], cells[real]
+    by_input = torch.argsort(m, stable=True)
+    by_cell = torch.argsort(cell, stable=True)
+    return DepthwiseTables(
+        neighbour=knn_indices.int().contiguous(), cell=slot_cells.int().contiguous(),
+        pair_start=_starts(m, nin), pair_node=n[by_input].int().contiguous(),
+        pair_cell=cell[by_input].int().contiguous(), cell_start=_starts(cell, v),
+        cell_input=m[by_cell].int().contiguous(), cell_node=n[by_cell].int().contiguous())
