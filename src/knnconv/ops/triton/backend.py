@@ -245,7 +245,7 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
             tile = launch.depthwise_tile("depthwise_grad_weight", batch, channels)
             splits = launch.depthwise_grad_weight_splits(
                 tile, batch=batch, channels=channels, v=plan.v,
-                entries=int(tables.cell_start[-1]), processors=self._processors(device))
+                entries=tables.entries, processors=self._processors(device))
             key = ("depthwise_grad_weight", grad_y.dtype, tile, device, splits)
             first = self._first_use(key)
             grad_w = launch.depthwise_grad_weight(grad_y, x, tables, v=plan.v, tile=tile,

@@ -114,6 +114,7 @@ class DepthwiseTables:
     cell_start: torch.Tensor  # [V + 1]
     cell_input: torch.Tensor  # [entries]
     cell_node: torch.Tensor  # [entries]
+    entries: int  # the real slots, counted once on the host
 
 
 def build_depthwise_tables(knn_indices: torch.Tensor, slot_cells: torch.Tensor, *, nin: int,
@@ -130,4 +131,5 @@ def build_depthwise_tables(knn_indices: torch.Tensor, slot_cells: torch.Tensor, 
         neighbour=knn_indices.int().contiguous(), cell=slot_cells.int().contiguous(),
         pair_start=_starts(m, nin), pair_node=n[by_input].int().contiguous(),
         pair_cell=cell[by_input].int().contiguous(), cell_start=_starts(cell, v),
-        cell_input=m[by_cell].int().contiguous(), cell_node=n[by_cell].int().contiguous())
+        cell_input=m[by_cell].int().contiguous(), cell_node=n[by_cell].int().contiguous(),
+        entries=m.numel())
