@@ -17,7 +17,8 @@ between rounds so its queue never fills):
   the layer's channel counts, 8 x 8 pixels), the yardstick of an eager step's host time;
 - the parts that no implementation of the op in Python can avoid: an autograd.Function whose
   forward and backward only allocate their outputs (the engine's own cost per step), torch's
-  dispatch of one small kernel (`add_`), one `torch.empty`;
+  dispatch of one small kernel (`add_`), one `torch.empty`, and for the cuda backend one
+  knnconv launch through its driver fast path (a 1-block re-layout);
 - where the training step's host time goes: the inclusive time per step of each stage of the
   backend's call (the autograd Function's forward and backward, the backend op, its launches
   and allocations), each wrapped in a timer (~0.2 us a wrapper).
