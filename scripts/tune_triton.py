@@ -9,7 +9,8 @@ Each (layer, batch) times the forward, dx and dW launches (knnconv.ops.triton.la
 weight's re-layout included: the same for every tile) for every candidate tile of their
 family, replayed as CUDA graphs, median of 15, on channels-last fp16 operands. Every timing
 is written with its achieved TFLOP/s (2 * B * entries * Cin * Cout / time); grad_weight's
-candidates are also timed at several programs per SM (how far each cell's steps are split).
+candidates are also timed at several window sizes (launch.grad_weight_windows: the fraction
+of L2 a window's rows may take; 0: windows that only fill the GPU, whatever their rows).
 The current rule's choice and the fastest candidate per family are printed, for tiles.json.
 """
 
@@ -51,9 +52,9 @@ SPACE = {"forward": GEMM_TILES, "grad_input": GEMM_TILES,
                              (128, 128, 64, 8, 2), (256, 32, 64, 8, 2), (256, 64, 32, 8, 3),
                              (64, 64, 64, 4, 2)]}
 STEM_FAMILIES = ("stem_forward", "stem_grad_weight", "stem_grad_input")
-# grad_weight's programs per SM (how far each cell's steps are split), per candidate tile;
-# launch.PROGRAMS_PER_SM, the default, must be one of them
-PROGRAMS_PER_SM = (2, 8, 16)
+# grad_weight's window sizes per candidate tile, as the fraction of L2 a window's rows may
+# take (0: no bound); launch.WINDOW_L2_FRACTION, the default, must be one of them
+WINDOW_L2_FRACTIONS = (0, 3, 5, 8, 12)
 
 
 def fitted(family: str, plan, batch: int, raw: tuple) -> configs.TileConfig | None:
@@ -71,7 +72,7 @@ def fitted(family: str, plan, batch: int, raw: tuple) -> configs.TileConfig | No
     return None if contracted % tile.block_k else configs.fit(tile, n, contracted, None)
 
 
-def launcher(family: str, plan, batch: int, tile, operands, programs_per_sm: int):
+def launcher(family: str, plan, batch: int, tile, operands, l2_fraction: int):
     x, weight, grad_y, tables = operands
     if family == "stem_forward":
         return lambda: launch.stem_forward(x, weight, None, tables, nin=plan.nin,
@@ -88,11 +89,15 @@ def launcher(family: str, plan, batch: int, tile, operands, programs_per_sm: int
     if family == "grad_input":
         return lambda: launch.grad_input(grad_y, weight, tables, nin=plan.nin, v=plan.v,
                                          tile=tile, dtype=torch.float16)
-    splits = launch.grad_weight_splits(
-        tile, batch=batch, cin=plan.cin, cout=plan.cout, v=plan.v, entries=plan.entry_count,
-        processors=torch.cuda.get_device_properties(DEVICE).multi_processor_count,
-        programs_per_sm=programs_per_sm)
-    return lambda: launch.grad_weight(grad_y, x, tables, v=plan.v, tile=tile, splits=splits)
+    properties = torch.cuda.get_device_properties(DEVICE)
+    windows = launch.grad_weight_windows(
+        tile, batch=batch, cin=plan.cin, cout=plan.cout, nin=plan.nin, nout=plan.nout,
+        v=plan.v, entries=plan.entry_count, processors=properties.multi_processor_count,
+        l2_bytes=properties.L2_cache_size if l2_fraction else None,
+        l2_fraction=l2_fraction or launch.WINDOW_L2_FRACTION)
+    starts = get_ops("triton").share_starts(plan, DEVICE, windows.shares)
+    return lambda: launch.grad_weight(grad_y, x, tables, starts, v=plan.v, tile=tile,
+                                      windows=windows)
 
 
 def tune_cell(layer, batch: int, families: list[str]) -> list[dict]:
@@ -122,20 +127,21 @@ def tune_cell(layer, batch: int, families: list[str]) -> list[dict]:
                   "stem_grad_input": lambda: launch.stem_grad_input_tile(batch, plan.cout),
                   }[family]()
         tiles = {chosen} | {t for raw in space if (t := fitted(family, plan, batch, raw))}
-        spreads = PROGRAMS_PER_SM if family == "grad_weight" else (launch.PROGRAMS_PER_SM,)
+        spreads = (WINDOW_L2_FRACTIONS if family == "grad_weight"
+                   else (launch.WINDOW_L2_FRACTION,))
         for tile in sorted(tiles, key=str):
-            for programs_per_sm in spreads:
+            for l2_fraction in spreads:
                 try:
                     ms = graph_replay_ms(launcher(family, plan, batch, tile, operands,
-                                                  programs_per_sm),
+                                                  l2_fraction),
                                          DEVICE, warmup=2, repeats=15)[0]
                 except Exception as exc:  # a tile the compiler rejects (shared memory)
                     print(f"  {family} {tile}: {type(exc).__name__}: {str(exc)[:120]}")
                     break
                 rows.append({"layer": layer.name, "batch": batch, "family": family,
-                             "tile": tile.__dict__, "programs_per_sm": programs_per_sm,
+                             "tile": tile.__dict__, "l2_fraction": l2_fraction,
                              "chosen": (tile == chosen
-                                        and programs_per_sm == launch.PROGRAMS_PER_SM),
+                                        and l2_fraction == launch.WINDOW_L2_FRACTION),
                              "ms": ms, "tflops": flop / ms / 1e9})
         timed = [r for r in rows if r["family"] == family]
         best = min(timed, key=lambda r: r["ms"])
@@ -143,7 +149,7 @@ def tune_cell(layer, batch: int, families: list[str]) -> list[dict]:
         print(f"{layer.name[-40:]:40} B={batch:5} {family:11} rule {current['ms']:.3f} ms "
               f"({current['tflops']:.0f} TFLOP/s)  best {best['ms']:.3f} ms "
               f"({best['tflops']:.0f} TFLOP/s) {best['tile']} "
-              f"programs/SM {best['programs_per_sm']}", flush=True)
+              f"L2 fraction {best['l2_fraction']}", flush=True)
     return rows
 
 

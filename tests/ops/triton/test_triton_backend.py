@@ -69,8 +69,10 @@ def test_every_output_against_float64_with_poisoned_outputs(name):
     dx = launch.grad_input(gyh, wh, tables, nin=plan.nin, v=plan.v,
                            tile=launch.grad_input_tile(batch, cin, cout, plan.nin),
                            dtype=torch.float16, poison=True)
-    tile_w = launch.grad_weight_tile(batch, cin, cout)
-    dw = launch.grad_weight(gyh, xh, tables, v=plan.v, tile=tile_w, splits=3, poison=True)
+    # three node shares by two batch-chunk groups: every window's turn is walked
+    dw = launch.grad_weight(gyh, xh, tables, get_ops("triton").share_starts(plan, CPU, 3),
+                            v=plan.v, tile=configs.TileConfig(16, 16, 16, 4, 2),
+                            windows=launch.Windows(3, 2), poison=True)
 
     x64, w64, b64 = (t.half().double().requires_grad_() for t in (x, w, b))
     y64 = oracle_knn_conv(x64, w64, b64, geometry)
@@ -139,15 +141,36 @@ def test_the_few_channel_gradients_are_bit_identical_from_run_to_run():
     assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(run, runs[0], strict=True))
 
 
-def test_the_weight_gradient_is_the_same_however_the_pairs_are_split():
-    _, plan, (x, w, _, gy) = make_case(7, 9, 16, 32, padding=0.2)
+def test_the_weight_gradient_is_the_same_however_the_pairs_are_windowed():
+    # more shares than nodes leave some empty; 40 rows make three 16-row chunks
+    _, plan, (x, w, _, gy) = make_case(7, 40, 16, 32, padding=0.2)
     xh, gyh = channels_last(x.half()), channels_last(gy.half())
-    tables = get_ops("triton").tables(plan, CPU)
-    tile = launch.grad_weight_tile(9, 16, 32)
-    results = [launch.grad_weight(gyh, xh, tables, v=plan.v, tile=tile, splits=s, poison=True)
-               for s in (1, 2, 5)]
+    ops = get_ops("triton")
+    tables = ops.tables(plan, CPU)
+    tile = configs.TileConfig(16, 16, 16, 4, 2)
+    results = [launch.grad_weight(gyh, xh, tables, ops.share_starts(plan, CPU, shares),
+                                  v=plan.v, tile=tile, windows=launch.Windows(shares, groups),
+                                  poison=True)
+               for shares, groups in ((1, 1), (2, 1), (1, 3), (5, 2), (9, 3))]
     for other in results[1:]:
         assert rel_err(other, results[0]) < 1e-6
+
+
+def test_share_starts_bound_each_cells_pairs_by_output_node():
+    _, plan, _ = make_case(4, 1, 16, 16, nout=11, k=5, padding=0.3)
+    ops = get_ops("triton")
+    t = ops.tables(plan, CPU)
+    starts = ops.share_starts(plan, CPU, 3)
+    bounds = [0, 11 // 3, 22 // 3, 11]
+    for cell in range(plan.v):
+        nodes = [int(t.cell_gy[e]) // 16
+                 for e in range(int(t.cell_start[cell]), int(t.cell_start[cell + 1]))]
+        assert nodes == sorted(nodes)
+        for share in range(3):
+            first, end = int(starts[cell, share]), int(starts[cell, share + 1])
+            expected = [n for n in nodes if bounds[share] <= n < bounds[share + 1]]
+            assert [int(t.cell_gy[e]) // 16 for e in range(first, end)] == expected
+    assert int(starts[-1, -1]) == plan.entry_count
 
 
 @pytest.mark.parametrize("cin", [32, 3, 24], ids=["cin32", "stem_cin3_padded", "cin24_padded"])
@@ -212,21 +235,28 @@ def test_bad_tiles_are_refused():
         configs.TileConfig(block_m=64, block_n=64, block_k=64, warps=2, stages=3)
 
 
-def test_splits_fill_the_processors_but_keep_steps_per_split():
-    tile = configs.TileConfig(64, 64, 64, 4, 3)
-    # 9 cells of one tile want 30 splits for 2 programs per SM; 1000 pairs of one step allow
-    assert launch.grad_weight_splits(tile, batch=64, cin=64, cout=64, v=9, entries=9 * 1000,
-                                     processors=132, programs_per_sm=2) == 30
-    # by default they want PROGRAMS_PER_SM programs per SM, up to 1000 // 16 splits
-    wanted = -(-launch.PROGRAMS_PER_SM * 132 // 9)
-    assert launch.grad_weight_splits(tile, batch=64, cin=64, cout=64, v=9, entries=9 * 1000,
-                                     processors=132) == min(wanted, 1000 // 16)
-    # 16 pairs a cell, 2 batch chunks each: 32 steps, two splits of 16
-    assert launch.grad_weight_splits(tile, batch=128, cin=64, cout=64, v=9, entries=9 * 16,
-                                     processors=132) == 2
-    # 49 cells of 16 tiles fill the GPU unsplit at 2 programs per SM
-    assert launch.grad_weight_splits(tile, batch=2048, cin=256, cout=256, v=49,
-                                     entries=49 * 1000, processors=132, programs_per_sm=2) == 1
+def test_windows_keep_their_rows_within_the_l2_share_and_fill_the_processors():
+    tile = configs.TileConfig(128, 256, 128, 8, 2)
+    sizes = dict(batch=2048, cin=128, cout=256, nin=1469, nout=1469, v=100, entries=36_000,
+                 processors=132)
+    # a 128-row chunk of every row is 128 * 2 * 1469 * 384 bytes = 144.4 MB: 23 shares keep a
+    # window within a fifth of 30 MiB (6.29 MB), one chunk a window
+    windows = launch.grad_weight_windows(tile, **sizes, l2_bytes=30 * 2**20)
+    assert windows == launch.Windows(23, 16)
+    chunk_bytes = 128 * 2 * 1469 * (256 + 128)
+    assert chunk_bytes / windows.shares <= 30 * 2**20 / launch.WINDOW_L2_FRACTION
+    # a larger L2 takes fewer shares; without one, windows only fill the GPU
+    assert launch.grad_weight_windows(tile, **sizes, l2_bytes=300 * 2**20).shares == 3
+    assert launch.grad_weight_windows(tile, **sizes, l2_bytes=None) == launch.Windows(1, 11)
+    small = configs.TileConfig(64, 64, 64, 4, 3)
+    # 9 cells of one tile want 118 windows (8 programs per SM), 1000 pairs of one chunk give
+    # windows of at least 16 steps: 62
+    few = dict(batch=64, cin=64, cout=64, nin=900, nout=1000, v=9, entries=9 * 1000,
+               processors=132, l2_bytes=None)
+    assert launch.grad_weight_windows(small, **few) == launch.Windows(62, 1)
+    # 16 pairs a cell over 2 batch chunks: 32 steps, two windows of 16
+    assert launch.grad_weight_windows(small, **{**few, "batch": 128, "entries": 9 * 16}
+                                      ).count == 2
 
 
 @pytest.mark.parametrize("dtype, cin, cout, match", [

@@ -79,7 +79,8 @@ def test_every_output_against_float64_with_poisoned_outputs(name, dtype):
                            tile=launch.grad_input_tile(batch, cin, cout, plan.nin), dtype=dtype,
                            poison=True)
     tile_w = launch.grad_weight_tile(batch, cin, cout)
-    dw = launch.grad_weight(gyg, xg, tables, v=plan.v, tile=tile_w, splits=3, poison=True)
+    dw = launch.grad_weight(gyg, xg, tables, get_ops("triton").share_starts(plan, DEVICE, 3),
+                            v=plan.v, tile=tile_w, windows=launch.Windows(3, 2), poison=True)
     x64, w64, b64 = (t.double().requires_grad_() for t in (x, w, b))
     y64 = oracle_knn_conv(x64, w64, b64, geometry)
     y64.backward(gy.double())
@@ -121,7 +122,10 @@ def test_weight_gradients_are_bit_identical_from_run_to_run():
     xg, gyg = channels_last(x.to(DEVICE)), channels_last(gy.to(DEVICE))
     tables = get_ops("triton").tables(plan, DEVICE)
     tile = launch.grad_weight_tile(512, 64, 64)
-    runs = [launch.grad_weight(gyg, xg, tables, v=plan.v, tile=tile, splits=7)
+    # many windows (8 shares by 4 batch-chunk groups): the turns order every tile's adds
+    starts = get_ops("triton").share_starts(plan, DEVICE, 8)
+    runs = [launch.grad_weight(gyg, xg, tables, starts, v=plan.v, tile=tile,
+                               windows=launch.Windows(8, 4))
             for _ in range(5)]
     for other in runs[1:]:
         assert torch.equal(other, runs[0])

@@ -4,11 +4,11 @@
 It reads x and grad_y in channels-last storage, where a neighbour's rows for a batch tile are
 one box; operands in other storage are re-laid out once per call. Layers of fewer than 16
 input channels (image stems) run on the few-channel kernels
-(knnconv.ops.triton.stem_kernels). Every output element is written once and dW and a
-stem's dx sum fixed partials, so the backward is deterministic
-and this backend serves under ``torch.use_deterministic_algorithms(True)``. Under Triton's
-interpreter (``TRITON_INTERPRET=1``) it also runs on CPU tensors, which is how the tests check
-it without a GPU.
+(knnconv.ops.triton.stem_kernels). Every output element is written once, dW adds its
+windows' sums in window order and a stem's dx sums fixed partials, so the backward is
+deterministic and this backend serves under ``torch.use_deterministic_algorithms(True)``.
+Under Triton's interpreter (``TRITON_INTERPRET=1``) it also runs on CPU tensors, which is how
+the tests check it without a GPU.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from .tables import (
     StemTables,
     TritonTables,
     build_depthwise_tables,
+    build_share_starts,
     build_stem_tables,
     build_tables,
 )
@@ -57,7 +58,7 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
     def __init__(self) -> None:
         super().__init__()
         self._capabilities: dict[int, tuple[int, int]] = {}
-        self._processor_counts: dict[int, int] = {}
+        self._device_sizes_seen: dict[int, tuple[int, int]] = {}
 
     def _device_reason(self, device: torch.device) -> str | None:
         if MISSING is not None:
@@ -107,6 +108,14 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
         return plan.derived(device, "triton.tables", lambda t: build_tables(
             t.knn_indices, t.rf_index, nin=plan.nin, v=plan.v,
             cin=launch.padded_channels(plan.cin), cout=plan.cout))
+
+    @classmethod
+    def share_starts(cls, plan: KNNConvPlan, device: torch.device, shares: int) -> torch.Tensor:
+        """Where each cell's pairs of each of ``shares`` node shares begin (dW's windows)."""
+        return plan.derived(device, f"triton.share_starts.{shares}",
+                            lambda _: build_share_starts(
+                                cls.tables(plan, device), nout=plan.nout, cout=plan.cout,
+                                v=plan.v, shares=shares))
 
     @staticmethod
     def stem_tables(plan: KNNConvPlan, device: torch.device) -> StemTables:
@@ -174,10 +183,11 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
             keys["weight"] = ("stem_grad_weight", grad_y.dtype, tile_w, device)
         elif need_weight:
             tile_w = launch.grad_weight_tile(batch, cin, plan.cout)
-            splits = launch.grad_weight_splits(
-                tile_w, batch=batch, cin=cin, cout=plan.cout, v=plan.v,
-                entries=plan.entry_count, processors=self._processors(device))
-            keys["weight"] = ("grad_weight", grad_y.dtype, tile_w, device, splits)
+            processors, l2_bytes = self._device_sizes(device)
+            windows = launch.grad_weight_windows(
+                tile_w, batch=batch, cin=cin, cout=plan.cout, nin=plan.nin, nout=plan.nout,
+                v=plan.v, entries=plan.entry_count, processors=processors, l2_bytes=l2_bytes)
+            keys["weight"] = ("grad_weight", grad_y.dtype, tile_w, device, windows)
         first = {role for role, key in keys.items() if self._first_use(key)}
         if need_input and few:
             grads[0] = launch.stem_grad_input(gy, weight, self.stem_tables(plan, device),
@@ -195,8 +205,10 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
                                                poison="weight" in first)
         elif need_weight:
             grads[1] = launch.grad_weight(gy, self._kernel_input(plan, x),
-                                          self.tables(plan, device), v=plan.v, tile=tile_w,
-                                          splits=splits, poison="weight" in first)
+                                          self.tables(plan, device),
+                                          self.share_starts(plan, device, windows.shares),
+                                          v=plan.v, tile=tile_w, windows=windows,
+                                          poison="weight" in first)
             if cin != plan.cin:  # the padded channels' columns are the last ones
                 grads[1] = grads[1][:, :plan.cin * plan.v].contiguous()
         if need_bias:
@@ -245,7 +257,7 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
             tile = launch.depthwise_tile("depthwise_grad_weight", batch, channels)
             splits = launch.depthwise_grad_weight_splits(
                 tile, batch=batch, channels=channels, v=plan.v,
-                entries=tables.entries, processors=self._processors(device))
+                entries=tables.entries, processors=self._device_sizes(device)[0])
             key = ("depthwise_grad_weight", grad_y.dtype, tile, device, splits)
             first = self._first_use(key)
             grad_w = launch.depthwise_grad_weight(grad_y, x, tables, v=plan.v, tile=tile,
@@ -259,12 +271,14 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
             grad_b = grad_y.sum(dim=(0, 2), dtype=torch.float32).to(grad_dtypes[2])
         return grad_x, grad_w, grad_b
 
-    def _processors(self, device: torch.device) -> int:
-        """The device's SMs, asked once per device (the backward asks on every call)."""
+    def _device_sizes(self, device: torch.device) -> tuple[int, int | None]:
+        """The device's SMs and L2 bytes, asked once per device (the backward asks on every
+        call); in the interpreter one processor and no L2 size."""
         if device.type != "cuda":
-            return 1
+            return 1, None
         index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in self._processor_counts:
-            self._processor_counts[index] = torch.cuda.get_device_properties(
-                index).multi_processor_count
-        return self._processor_counts[index]
+        if index not in self._device_sizes_seen:
+            properties = torch.cuda.get_device_properties(index)
+            self._device_sizes_seen[index] = (properties.multi_processor_count,
+                                              properties.L2_cache_size)
+        return self._device_sizes_seen[index]

@@ -13,9 +13,12 @@ here is two tensor-descriptor loads (TMA on Hopper, zero-filled out of bounds) a
   (n, v) pairs of grad_y[b, n, o-chunk] @ Wr[v, o-chunk, :], Wr the weight laid out
   [V*Cout, Cin].
 - ``knn_conv_grad_weight_kernel``: per kernel cell v, dW_v[c, o] = sum over v's (m, n) pairs
-  and batch chunks of x[b-chunk, m, c]^T @ grad_y[b-chunk, n, o]; a program owns its tile of
-  one split of the cell's steps (batch chunks x pairs), so no atomics: the splits' partials
-  are summed in a fixed order.
+  and batch chunks of x[b-chunk, m, c]^T @ grad_y[b-chunk, n, o], walked window by window: a
+  window is a share of the output nodes by a group of batch chunks, and a program owns one
+  window of one cell's tile. The programs of one window, one per cell, are launched together
+  and read the same rows, so x and grad_y come from L2 once a window instead of once per pair
+  from DRAM. Each tile's windows add their sums in window order (a program waits for the
+  previous window's turn), so dW is the same from run to run.
 
 Entry tables hold element offsets (m*Cin, v*Cin, ...) so a step's box coordinates are loads,
 not products. Accumulation is float32 in every kernel; outputs are stored through masked
@@ -92,23 +95,49 @@ def cell_split_steps(start_ptr, cells, splits, batch_chunks):
 
 
 @triton.jit
-def knn_conv_grad_weight_kernel(x_desc, gy_desc, partial_ptr, start_ptr, pair_x_ptr, pair_gy_ptr,
-                           batch, cin, cout, cells, splits, batch_chunks,
-                           BM: tl.constexpr, BN: tl.constexpr, BB: tl.constexpr):
-    c0 = tl.program_id(1) * BM
-    o0 = tl.program_id(2) * BN
-    # the programs of one split, one per cell, read the same batch rows of the same
-    # neighbourhoods at about the same time, so x and grad_y come from L2 instead of K reads
-    # from DRAM
-    cell, first, pairs, lo, hi = cell_split_steps(start_ptr, cells, splits, batch_chunks)
+def knn_conv_grad_weight_kernel(x_desc, gy_desc, grad_ptr, turn_ptr, share_start_ptr,
+                                pair_x_ptr, pair_gy_ptr, cin, cout, cells, shares, groups,
+                                batch_chunks,
+                                BM: tl.constexpr, BN: tl.constexpr, BB: tl.constexpr):
+    # program id (window * cells + cell) * tiles + tile: the programs of one window are
+    # consecutive, so they run together; window = group * shares + share
+    tiles_n = tl.cdiv(cout, BN)
+    tiles = tl.cdiv(cin, BM) * tiles_n
+    pid = tl.program_id(0)
+    tile = pid % tiles
+    cell = (pid // tiles) % cells
+    window = pid // (tiles * cells)
+    share = window % shares
+    group = window // shares
+    c0 = (tile // tiles_n) * BM
+    o0 = (tile % tiles_n) * BN
+    # the cell's pairs whose output node lies in the share, and the group's batch chunks
+    starts = share_start_ptr + cell * (shares + 1) + share
+    first = tl.load(starts)
+    pairs = tl.load(starts + 1) - first
+    chunk0 = group * batch_chunks // groups
+    chunks = (group + 1) * batch_chunks // groups - chunk0
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for step in range(lo, hi):
+    for step in range(pairs * chunks):
         pair = first + step % pairs
-        b0 = (step // pairs) * BB
+        b0 = (chunk0 + step // pairs) * BB
         a = x_desc.load([b0, tl.load(pair_x_ptr + pair) + c0])
         g = gy_desc.load([b0, tl.load(pair_gy_ptr + pair) + o0])
         acc = tl.dot(tl.trans(a), g, acc)
     rows = c0 + tl.arange(0, BM)
     cols = o0 + tl.arange(0, BN)
-    out = partial_ptr + (tl.program_id(0) * cin + rows[:, None]) * cout + cols[None, :]
-    tl.store(out, acc, mask=(rows[:, None] < cin) & (cols[None, :] < cout))
+    out = grad_ptr + (cell * cin + rows[:, None]) * cout + cols[None, :]
+    inside = (rows[:, None] < cin) & (cols[None, :] < cout)
+    # the tile's turn counter says how many windows have added their sums: window w waits
+    # for w (programs start in id order, so the one it waits for has started), then adds
+    turn = turn_ptr + cell * tiles + tile
+    if window == 0:
+        tl.store(out, acc, mask=inside)
+    else:
+        while tl.atomic_add(turn, 0, sem="acquire") < window:
+            pass
+        if pairs * chunks > 0:
+            # alone on the tile while it holds the turn: the adds land in window order
+            tl.atomic_add(out, acc, mask=inside, sem="relaxed")
+    tl.debug_barrier()  # every thread's sum has landed before the turn passes on
+    tl.atomic_xchg(turn, window + 1, sem="release")

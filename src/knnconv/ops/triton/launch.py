@@ -7,6 +7,7 @@ kernels read (see :func:`boxable`), with a multiple of MIN_BLOCK input channels 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -33,11 +34,15 @@ from .stem_kernels import (
 from .tables import DepthwiseTables, StemTables, TritonTables
 
 TMA_ALIGNMENT = 16  # bytes: a tensor map's base address and row strides
-# grad_weight splits each cell's steps (batch chunks x pairs) until the grid holds this many
+# The dW kernels split each cell's steps (batch chunks x pairs) until the grid holds this many
 # programs per SM, or a split would get fewer than MIN_STEPS_PER_SPLIT steps (on average);
 # measured (bench/NOTES.md, 2026-12-03): more programs hide the latency of each step's loads
 PROGRAMS_PER_SM = 8
 MIN_STEPS_PER_SPLIT = 16
+# The convolution's dW walks windows (node shares x batch-chunk groups) whose x and grad_y rows
+# take at most this fraction of the L2 cache, so that the rows the programs of all cells read
+# at once stay there (bench/NOTES.md, 2026-12-05)
+WINDOW_L2_FRACTION = 5
 # the few-channel kernels' sums (dW per cell, dx per input node) load this many table
 # entries per step
 SUM_ENTRIES = 32
@@ -131,28 +136,55 @@ def stem_grad_input_tile(batch: int, cout: int) -> TileConfig:
     return tile_config("stem_grad_input", batch=batch, n=batch, contracted_channels=cout)
 
 
-def grad_weight_splits(tile: TileConfig, *, batch: int, cin: int, cout: int, v: int,
-                       entries: int, processors: int,
-                       programs_per_sm: int = PROGRAMS_PER_SM) -> int:
-    """How many slices each cell's steps are split into: enough for ``programs_per_sm``
-    programs per SM, none with fewer than MIN_STEPS_PER_SPLIT steps (on average)."""
+@dataclass(frozen=True)
+class Windows:
+    """How the convolution's dW walks each cell's pairs: the output nodes in ``shares``
+    equal shares, the batch chunks in ``groups`` equal groups; window w is share w % shares of
+    group w // shares."""
+
+    shares: int
+    groups: int
+
+    @property
+    def count(self) -> int:
+        return self.shares * self.groups
+
+
+@cache
+def grad_weight_windows(tile: TileConfig, *, batch: int, cin: int, cout: int, nin: int,
+                        nout: int, v: int, entries: int, processors: int, l2_bytes: int | None,
+                        programs_per_sm: int = PROGRAMS_PER_SM,
+                        l2_fraction: int = WINDOW_L2_FRACTION) -> Windows:
+    """The windows of a dW call: each one's x and grad_y rows (2-byte elements) within
+    ``l2_bytes / l2_fraction`` (``l2_bytes`` None: any size); then, where the programs of
+    all cells' tiles would not give ``programs_per_sm`` programs per SM, more windows, but
+    none of fewer than MIN_STEPS_PER_SPLIT steps (on average)."""
+    chunks = max(1, math.ceil(batch / tile.block_k))
     tiles = v * math.ceil(cin / tile.block_m) * math.ceil(cout / tile.block_n)
-    steps = entries * math.ceil(batch / tile.block_k) // v
-    return _splits(tiles, steps, processors, programs_per_sm)
-
-
-def _splits(tiles: int, steps_per_tile: int, processors: int, programs_per_sm: int) -> int:
+    chunk_bytes = tile.block_k * 2 * (nout * cout + nin * cin)
+    shares = groups = 1
+    if l2_bytes:
+        budget = max(1, l2_bytes // l2_fraction)
+        shares = min(nout, math.ceil(chunk_bytes / budget))
+        per_group = max(1, budget // math.ceil(chunk_bytes / shares))
+        groups = math.ceil(chunks / min(chunks, per_group))
     wanted = math.ceil(programs_per_sm * processors / tiles)
-    return max(1, min(wanted, steps_per_tile // MIN_STEPS_PER_SPLIT))
+    most = max(1, entries * chunks // (v * MIN_STEPS_PER_SPLIT))  # windows of enough steps
+    target = max(shares * groups, min(wanted, most))
+    groups = max(groups, min(chunks, math.ceil(target / shares)))
+    shares = max(shares, min(nout, math.ceil(target / groups)))
+    return Windows(shares, groups)
 
 
 def depthwise_grad_weight_splits(tile: TileConfig, *, batch: int, channels: int, v: int,
                                  entries: int, processors: int) -> int:
-    """grad_weight_splits for the depthwise dW: a tile is one cell's channel tile, a step
-    one batch chunk of one of its slots."""
+    """How many slices the depthwise dW splits each cell's steps into (a tile is one cell's
+    channel tile, a step one batch chunk of one of its slots): enough for PROGRAMS_PER_SM
+    programs per SM, none with fewer than MIN_STEPS_PER_SPLIT steps (on average)."""
     tiles = v * math.ceil(channels / tile.block_n)
     steps = entries * math.ceil(batch / tile.block_m) // v
-    return _splits(tiles, steps, processors, PROGRAMS_PER_SM)
+    wanted = math.ceil(PROGRAMS_PER_SM * processors / tiles)
+    return max(1, min(wanted, steps // MIN_STEPS_PER_SPLIT))
 
 
 def weight_by_cell(weight: torch.Tensor, cin: int, v: int, *, reverse: bool) -> torch.Tensor:
@@ -203,23 +235,25 @@ def grad_input(grad_y: torch.Tensor, weight: torch.Tensor, tables: TritonTables,
     return dx.transpose(1, 2)
 
 
-def grad_weight(grad_y: torch.Tensor, x: torch.Tensor, tables: TritonTables, *, v: int,
-                tile: TileConfig, splits: int, poison: bool = False) -> torch.Tensor:
-    """dW [Cout, Cin*V] in float32, deterministic: each split of each cell's pairs writes its
-    own partial tile, and the partials are summed in a fixed order. x [B, Cin, Nin] and grad_y
-    [B, Cout, Nout] must be :func:`boxable`."""
+def grad_weight(grad_y: torch.Tensor, x: torch.Tensor, tables: TritonTables,
+                share_starts: torch.Tensor, *, v: int, tile: TileConfig, windows: Windows,
+                poison: bool = False) -> torch.Tensor:
+    """dW [Cout, Cin*V] in float32, deterministic: each cell's tile adds its windows' sums in
+    window order. ``share_starts``: tables.build_share_starts for ``windows.shares``. x
+    [B, Cin, Nin] and grad_y [B, Cout, Nout] must be :func:`boxable`."""
     batch, cin, _ = x.shape
     cout = grad_y.shape[1]
-    partial = _poisoned_or_empty((splits, v, cin, cout), torch.float32, x.device, poison)
-    grid = (v * splits, triton.cdiv(cin, tile.block_m), triton.cdiv(cout, tile.block_n))
-    knn_conv_grad_weight_kernel[grid](
+    grad = _poisoned_or_empty((v, cin, cout), torch.float32, x.device, poison)
+    tiles = triton.cdiv(cin, tile.block_m) * triton.cdiv(cout, tile.block_n)
+    turns = torch.zeros(v * tiles, dtype=torch.int32, device=x.device)
+    knn_conv_grad_weight_kernel[(windows.count * v * tiles,)](
         rows_descriptor(x, (tile.block_k, tile.block_m)),
         rows_descriptor(grad_y, (tile.block_k, tile.block_n)),
-        partial, tables.cell_start, tables.cell_x, tables.cell_gy, batch, cin, cout, v,
-        splits, triton.cdiv(batch, tile.block_k), BM=tile.block_m,
+        grad, turns, share_starts, tables.cell_x, tables.cell_gy, cin, cout, v,
+        windows.shares, windows.groups, triton.cdiv(batch, tile.block_k), BM=tile.block_m,
         BN=tile.block_n, BB=tile.block_k, num_warps=tile.warps, num_stages=tile.stages)
-    # [splits, V, Cin, Cout] -> [Cout, Cin, V]: the re-layout and the sum are one pass
-    return partial.permute(0, 3, 2, 1).sum(dim=0).view(cout, cin * v)
+    # [V, Cin, Cout] -> [Cout, Cin, V]
+    return grad.permute(2, 1, 0).reshape(cout, cin * v)
 
 
 @cache

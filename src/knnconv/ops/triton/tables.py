@@ -83,6 +83,21 @@ def build_tables(knn_indices: torch.Tensor, rf_index: torch.Tensor, *, nin: int,
         cell_gy=(n[by_cell] * cout).int().contiguous())
 
 
+def build_share_starts(tables: TritonTables, *, nout: int, cout: int, v: int,
+                       shares: int) -> torch.Tensor:
+    """[V, shares + 1] int32, row u: where cell u's pairs whose output node lies in node share
+    s begin, for s = 0 .. shares (the end). Share s holds the output nodes
+    [s * Nout // shares, (s + 1) * Nout // shares); a cell's pairs are in node order."""
+    device = tables.cell_start.device
+    counts = (tables.cell_start[1:] - tables.cell_start[:-1]).to(torch.int64)
+    cell_of_pair = torch.repeat_interleave(torch.arange(v, device=device), counts)
+    # ascending: pairs sorted by cell, then node
+    key = cell_of_pair * (nout + 1) + tables.cell_gy.to(torch.int64) // cout
+    bounds = torch.arange(shares + 1, device=device) * nout // shares
+    queries = torch.arange(v, device=device).unsqueeze(1) * (nout + 1) + bounds
+    return torch.searchsorted(key, queries).int().contiguous()
+
+
 def build_stem_tables(knn_indices: torch.Tensor, rf_index: torch.Tensor, *, nin: int,
                       v: int) -> StemTables:
     """The few-channel kernels' tables of a layer (knn_indices [K, Nout], rf_index [Nout, K]),
