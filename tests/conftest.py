@@ -16,7 +16,6 @@ if not torch.cuda.is_available():
 
 from knnconv import KNNConvPlan, available_backends, context, get_ops, make_plan
 from knnconv.ops import TorchCompactOps
-from knnconv.plan import NeighbourhoodPlan
 
 
 @dataclass(frozen=True)
@@ -219,14 +218,3 @@ def assert_close_to_reference(actual, plan, inputs, tolerance):
         assert actual[key].shape == value.shape, key
         error = rel_err(actual[key], value)
         assert error < tolerance, f"{key}: rel err {error:.2e} >= {tolerance:.0e}"
-
-
-def native_depthwise_backend(device: torch.device) -> str:
-    """The native backend auto runs a float16 depthwise convolution on, on ``device``: the
-    triton kernels where they serve (compute capability 9.0+), else the cuda ones."""
-    probe = NeighbourhoodPlan(torch.zeros(1, 1, dtype=torch.int64), nin=1,
-                              rf_index=torch.zeros(1, 1, dtype=torch.int64), v=1)
-    if "triton" in available_backends() and get_ops("triton").unsupported_reason(
-            probe, device, torch.float16) is None:
-        return "triton"
-    return "cuda"

@@ -138,23 +138,14 @@ def _at_least(work, threshold) -> bool:
     return guard_or_false(work >= threshold)
 
 
-def _triton_suits_plan(plan: GeometryPlan, batch, backward: bool) -> bool:
-    """Whether auto tries the triton backend for a call on ``plan``: a convolution where
-    :func:`triton_suits` it; a depthwise convolution always (its kernels read channels-last
-    rows whole, where the cuda backend's gather scattered elements; DEPTHWISE_NOTE); a
-    pooling never (the triton backend has no pooling kernels)."""
-    if isinstance(plan, KNNConvPlan):
-        return triton_suits(plan, batch, backward)
-    return getattr(plan, "v", None) is not None
-
-
 def _native_choice(plan: GeometryPlan, device: torch.device, dtype: torch.dtype,
                    backward: bool, batch) -> KNNConvOps | None:
     """The first native backend of NATIVE_ORDER that serves the call (triton only where
     :func:`triton_suits` the call), or None (after warning once where the cuda backend
     cannot run on the device at all)."""
     for name in NATIVE_ORDER:
-        if name == "triton" and not _triton_suits_plan(plan, batch, backward):
+        if name == "triton" and not (isinstance(plan, KNNConvPlan)
+                                     and triton_suits(plan, batch, backward)):
             continue
         if name in available_backends():
             ops = get_ops(name)
