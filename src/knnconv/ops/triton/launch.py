@@ -168,23 +168,27 @@ def grad_weight_windows(tile: TileConfig, *, batch: int, cin: int, cout: int, ni
         shares = min(nout, math.ceil(chunk_bytes / budget))
         per_group = max(1, budget // math.ceil(chunk_bytes / shares))
         groups = math.ceil(chunks / min(chunks, per_group))
-    wanted = math.ceil(programs_per_sm * processors / tiles)
-    most = max(1, entries * chunks // (v * MIN_STEPS_PER_SPLIT))  # windows of enough steps
-    target = max(shares * groups, min(wanted, most))
+    target = max(shares * groups, _splits(tiles, entries * chunks // v, processors,
+                                          programs_per_sm))
     groups = max(groups, min(chunks, math.ceil(target / shares)))
     shares = max(shares, min(nout, math.ceil(target / groups)))
     return Windows(shares, groups)
 
 
+def _splits(tiles: int, steps_per_tile: int, processors: int, programs_per_sm: int) -> int:
+    """How many slices each of ``tiles`` splits its steps into: enough for
+    ``programs_per_sm`` programs per SM, none of fewer than MIN_STEPS_PER_SPLIT steps."""
+    wanted = math.ceil(programs_per_sm * processors / tiles)
+    return max(1, min(wanted, steps_per_tile // MIN_STEPS_PER_SPLIT))
+
+
 def depthwise_grad_weight_splits(tile: TileConfig, *, batch: int, channels: int, v: int,
                                  entries: int, processors: int) -> int:
-    """How many slices the depthwise dW splits each cell's steps into (a tile is one cell's
-    channel tile, a step one batch chunk of one of its slots): enough for PROGRAMS_PER_SM
-    programs per SM, none with fewer than MIN_STEPS_PER_SPLIT steps (on average)."""
+    """:func:`_splits` for the depthwise dW: a tile is one cell's channel tile, a step one
+    batch chunk of one of its slots."""
     tiles = v * math.ceil(channels / tile.block_n)
     steps = entries * math.ceil(batch / tile.block_m) // v
-    wanted = math.ceil(PROGRAMS_PER_SM * processors / tiles)
-    return max(1, min(wanted, steps // MIN_STEPS_PER_SPLIT))
+    return _splits(tiles, steps, processors, PROGRAMS_PER_SM)
 
 
 def weight_by_cell(weight: torch.Tensor, cin: int, v: int, *, reverse: bool) -> torch.Tensor:
