@@ -1,7 +1,8 @@
 """Time KNN pooling and depthwise KNN convolution, torch ops against the native kernels (the
 cuda backend's; the triton backend's depthwise ones too), on a foveated layer of the built-in
 stack (GPU). Medians of CUDA-event-timed calls as a user sees
-them; writes OUT.json and a bar chart OUT.png.
+them, with x contiguous and channels-last; writes OUT.json and a bar chart OUT.png (x
+contiguous).
 
     python scripts/bench_neighbourhood.py OUT.json
     python scripts/bench_neighbourhood.py --plot OUT.json   # redraw OUT.png from OUT.json
@@ -9,6 +10,7 @@ them; writes OUT.json and a bar chart OUT.png.
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 
@@ -20,6 +22,8 @@ from knnconv.tools.bench import time_calls
 
 CHANNELS = 64
 BATCHES = (128, 512)
+STORAGES = ("contiguous", "channels_last")
+BACKENDS = ("torch_compact", "cuda", "triton")
 K = 9
 
 
@@ -31,6 +35,16 @@ def layers(backend: str, knn, rf, nin: int, v: int) -> dict:
     }
     return {**pools,
             "depthwise": KNNDepthwiseConv(CHANNELS, knn, rf, nin=nin, v=v, backend=backend)}
+
+
+def inputs(batch: int, nin: int, storage: str, device: torch.device) -> torch.Tensor:
+    """x [B, C, N] fp16: contiguous, or the [B, C, N] view of a contiguous [B, N, C] buffer
+    (channels-last, the storage knnconv's layers pass between them)."""
+    if storage == "channels_last":
+        x = torch.randn(batch, nin, CHANNELS, device=device, dtype=torch.float16).transpose(1, 2)
+    else:
+        x = torch.randn(batch, CHANNELS, nin, device=device, dtype=torch.float16)
+    return x.requires_grad_()
 
 
 def time_layer(layer, x: torch.Tensor, device: torch.device) -> dict[str, float]:
@@ -58,19 +72,17 @@ def main(out: str) -> None:
     sensor, middle = foveated_stack()[:2]
     knn, rf, v = knn_geometry(sensor, middle, K)
     rows = []
-    for batch in BATCHES:
-        x = torch.randn(batch, CHANNELS, len(sensor), device=device, dtype=torch.float16,
-                        requires_grad=True)
-        for backend in ("torch_compact", "cuda", "triton"):
-            for name, layer in layers(backend, knn, rf, len(sensor), v).items():
-                layer = layer.to(device, torch.float16)
-                for mode, ms in time_layer(layer, x, device).items():
-                    rows.append({"op": name, "batch": batch, "backend": layer.last_backend,
-                                 "mode": mode, "median_ms": ms, "channels": CHANNELS,
-                                 "nin": len(sensor), "nout": len(middle), "k": K, "v": v,
-                                 "dtype": "float16"})
-                    print(f"{name:<10} B={batch:<4} {layer.last_backend:<6} {mode:<7} "
-                          f"{ms:8.3f} ms", flush=True)
+    for batch, storage, backend in itertools.product(BATCHES, STORAGES, BACKENDS):
+        x = inputs(batch, len(sensor), storage, device)
+        for name, layer in layers(backend, knn, rf, len(sensor), v).items():
+            layer = layer.to(device, torch.float16)
+            for mode, ms in time_layer(layer, x, device).items():
+                rows.append({"op": name, "batch": batch, "storage": storage,
+                             "backend": layer.last_backend, "mode": mode, "median_ms": ms,
+                             "channels": CHANNELS, "nin": len(sensor), "nout": len(middle),
+                             "k": K, "v": v, "dtype": "float16"})
+                print(f"{name:<10} B={batch:<4} {storage:<13} {layer.last_backend:<13} "
+                      f"{mode:<7} {ms:8.3f} ms", flush=True)
     result = {"device": torch.cuda.get_device_name(device), "rows": rows}
     with open(out, "w") as handle:
         json.dump(result, handle, indent=1)
@@ -85,7 +97,7 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     times = {(r["op"], r["batch"], r["mode"], r["backend"]): r["median_ms"]
-             for r in result["rows"]}
+             for r in result["rows"] if r.get("storage", "contiguous") == "contiguous"}
     cells = sorted({key[:3] for key in times})
     speedups = [times[(*cell, "torch_compact")] / times[(*cell, "cuda")] for cell in cells]
     figure, axis = plt.subplots(figsize=(12, 4))
@@ -95,7 +107,7 @@ def plot(result: dict, path: str) -> None:
                     fontsize=7)
     axis.axhline(1.0, color="grey", linewidth=0.8)
     axis.set_ylabel("torch ops time / native time")
-    axis.set_title(f"KNN pooling and depthwise conv, fp16, {result['device']}")
+    axis.set_title(f"KNN pooling and depthwise conv, fp16, x contiguous, {result['device']}")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 

@@ -207,7 +207,8 @@ def per_layer() -> str:
 
 def neighbourhood() -> str:
     rows = load("h200_neighbourhood.json")["rows"]
-    times = {(r["backend"], r["op"], r["batch"], r["mode"]): r["median_ms"] for r in rows}
+    times = {(r["backend"], r["op"], r["batch"], r["mode"], r.get("storage", "contiguous")):
+             r["median_ms"] for r in rows}
     ratios = [times[("torch_compact", *key[1:])] / value for key, value in times.items()
               if key[0] == "cuda"]
     # the rows at the batch elements per thread the kernels take (the file sweeps them)

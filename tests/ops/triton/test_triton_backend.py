@@ -222,6 +222,13 @@ def test_tiles_fit_the_layer():
     few = configs.tile_config("forward", batch=2048, n=256, nodes=4, contracted_channels=64)
     assert (wide.block_m, wide.block_n) == (128, 256)
     assert few.block_m * few.block_n < wide.block_m * wide.block_n
+    # 384 columns take 128-wide tiles: a 256-wide one would leave a third of its columns empty
+    for family in ("forward", "grad_input"):
+        assert configs.tile_config(family, batch=2048, n=384, nodes=500,
+                                   contracted_channels=64).block_n == 128
+    # dW of 128 columns or more contracts 64 batch rows a step, of fewer, 128
+    assert configs.tile_config("grad_weight", batch=2048, n=256, rows=96).block_k == 64
+    assert configs.tile_config("grad_weight", batch=2048, n=64, rows=64).block_k == 128
     with pytest.raises(ValueError, match="multiple of 16"):
         configs.tile_config("forward", batch=4, n=16, contracted_channels=24)
     for family, rules in configs.rules().items():

@@ -11,7 +11,7 @@ from pathlib import Path
 FAMILIES = ("forward", "grad_input", "grad_weight", "stem_forward", "stem_grad_weight",
             "stem_grad_input", "depthwise_forward", "depthwise_grad_input",
             "depthwise_grad_weight")
-CONDITIONS = ("max_batch", "min_batch", "min_n", "min_programs")
+CONDITIONS = ("max_batch", "min_batch", "min_n", "n_multiple_of", "min_programs")
 MIN_BLOCK = 16  # the smallest dot extent Triton takes, and a 16-byte TMA box row of fp16
 MAX_BLOCK = 256  # the largest extent of a TMA box
 
@@ -106,6 +106,7 @@ def tile_config(family: str, *, batch: int, n: int, nodes: int | None = None,
         if (batch <= conditions.get("max_batch", batch)
                 and batch >= conditions.get("min_batch", batch)
                 and n >= conditions.get("min_n", n)
+                and n % conditions.get("n_multiple_of", 1) == 0
                 and (programs is None or programs >= conditions.get("min_programs", 0))):
             return tile
     raise AssertionError("the last rule has no conditions")
