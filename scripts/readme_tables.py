@@ -118,31 +118,48 @@ def whole_models() -> str:
 
 
 def latest_models() -> str:
-    """The newest dated whole-model run (h200_fovi_models_DATE[_WHAT].json: fovi's path, the
-    accelerated one and the grid network, fewer paths than the table's run): ResNet-18
-    against the grid network, AlexNet against fovi's path, and their KNN pooling."""
-    path = sorted(RESULTS.glob("h200_fovi_models_20*.json"))[-1]
+    """The newest dated whole-model run (GPU_fovi_models_DATE[_WHAT].json, on whichever GPU it
+    ran: fovi's path, the accelerated one and the grid network, maybe the compiled paths):
+    ResNet-18 against the grid network, AlexNet against fovi's path, their KNN pooling, and
+    where it has them, the compiled ResNet-18 against the eager one."""
+    path = max(RESULTS.glob("*_fovi_models_20*.json"),
+               key=lambda p: (re.search(r"\d{4}-\d{2}-\d{2}", p.stem)[0], p.name))
     result = json.loads(path.read_text())
-    rows = {(r["model"], r["path"], r["batch"]): r["median_ms"] for r in result["rows"]
-            if r["status"] == "ok" and r["mode"] == "graph"}
+    rows = {(r["model"], r["path"], r["mode"], r["batch"]): r["median_ms"]
+            for r in result["rows"] if r["status"] == "ok"}
+
+    def graph(model: str, path_name: str, batch: int) -> float:
+        return rows[(model, path_name, "graph", batch)]
 
     def pooling(model: str) -> float:
         return gpu_ms_per_step(result, model, 2048)["knn_pool"]
 
-    grid = {batch: rows[("resnet18", "accelerated", batch)] / rows[("resnet18", "grid", batch)]
+    grid = {batch: graph("resnet18", "accelerated", batch) / graph("resnet18", "grid", batch)
             for batch in (512, 2048)}
-    alexnet = {batch: rows[("alexnet", "fovi", batch)] / rows[("alexnet", "accelerated", batch)]
+    alexnet = {batch: graph("alexnet", "fovi", batch) / graph("alexnet", "accelerated", batch)
                for batch in (512, 2048)}
     date = re.search(r"\d{4}-\d{2}-\d{2}", path.stem)[0]
-    return wrap([f"The newest run ({date}, [bench/results/{path.name}](bench/results/"
-                 f"{path.name}), without the compiled paths), replayed as CUDA graphs: the "
-                 f"accelerated ResNet-18 costs {grid[2048]:.2f}x the grid network at B = 2048 "
-                 f"({ms(rows[('resnet18', 'accelerated', 2048)])} against "
-                 f"{ms(rows[('resnet18', 'grid', 2048)])} ms) and {grid[512]:.2f}x at B = 512; "
-                 f"AlexNet's step is {alexnet[512]:.2f}x / {alexnet[2048]:.2f}x faster than "
-                 "fovi's path at B = 512 / 2048. KNN pooling takes "
-                 f"{pooling('resnet18'):.2f} ms of ResNet-18's GPU time per step at B = 2048 and "
-                 f"{pooling('alexnet'):.1f} ms of AlexNet's."])
+    compiled = all(("resnet18", "accelerated+compile", "eager", b) in rows for b in (512, 2048))
+    lines = [f"The newest run ({date}, one {result['device']}, [bench/results/{path.name}]"
+             f"(bench/results/{path.name}){'' if compiled else ', without the compiled paths'}),"
+             " replayed as CUDA graphs: the "
+             f"accelerated ResNet-18 costs {grid[2048]:.2f}x the grid network at B = 2048 "
+             f"({ms(graph('resnet18', 'accelerated', 2048))} against "
+             f"{ms(graph('resnet18', 'grid', 2048))} ms) and {grid[512]:.2f}x at B = 512; "
+             f"AlexNet's step is {alexnet[512]:.2f}x / {alexnet[2048]:.2f}x faster than "
+             "fovi's path at B = 512 / 2048. KNN pooling takes "
+             f"{pooling('resnet18'):.2f} ms of ResNet-18's GPU time per step at B = 2048 and "
+             f"{pooling('alexnet'):.1f} ms of AlexNet's."]
+    if compiled:
+        eager = {b: rows[("resnet18", "accelerated", "eager", b)] for b in (512, 2048)}
+        default = {b: rows[("resnet18", "accelerated+compile", "eager", b)] for b in (512, 2048)}
+        lines[0] += (" Eager, the accelerated ResNet-18 takes "
+                     f"{ms(eager[512])} / {ms(eager[2048])} ms at B = 512 / 2048 "
+                     f"({eager[512] / rows[('resnet18', 'grid', 'eager', 512)]:.2f}x / "
+                     f"{eager[2048] / rows[('resnet18', 'grid', 'eager', 2048)]:.2f}x the grid "
+                     "network's eager step), and under torch.compile's default mode "
+                     f"{ms(default[512])} / {ms(default[2048])} ms.")
+    return wrap(lines)
 
 
 def fovi_kernel_summaries(summary: dict) -> dict[str, dict]:
