@@ -162,6 +162,47 @@ def latest_models() -> str:
     return wrap(lines)
 
 
+def latest_layers() -> str:
+    """The newest dated per-layer run (GPU_layers_DATE[_WHAT].json, on whichever GPU it ran):
+    each backend's share of the roofline floor on the large cells whose input channels the
+    triton kernels take as they are (a multiple of 16), replayed, eager and forward."""
+    path = max(RESULTS.glob("*_layers_20*.json"),
+               key=lambda p: (re.search(r"\d{4}-\d{2}-\d{2}", p.stem)[0], p.name))
+    result = json.loads(path.read_text())
+    cells = {(r["backend"], r["mode"], r["layer"], r["batch"]): r for r in result["rows"]
+             if r["status"] == "ok" and r["dtype"] == "float16"}
+    backends = list(dict.fromkeys(key[0] for key in cells))
+    large = {(layer, batch) for (_, mode, layer, batch), r in cells.items()
+             if mode == "train" and r["floor_ms"] >= LARGE_FLOOR_MS and r["cin"] % 16 == 0
+             and all((b, m, layer, batch) in cells for b in backends
+                     for m in ("forward", "train", "train_graph"))}
+    date = re.search(r"\d{4}-\d{2}-\d{2}", path.stem)[0]
+    lines = [f"The newest per-layer run ({date}, one {result['device']}, "
+             f"[bench/results/{path.name}](bench/results/{path.name})), % of the roofline "
+             f"floor on its {len(large)} large cells (training floor >= {LARGE_FLOOR_MS} ms, "
+             "Cin a multiple of 16), geometric mean (range):", "",
+             "| backend | training step, CUDA graph | training step, eager | forward, eager |",
+             "|---|---|---|---|"]
+    for backend in backends:
+        shares = {mode: [cells[(backend, mode, *key)]["pct_of_floor"] for key in large]
+                  for mode in ("train_graph", "train", "forward")}
+        lines.append(f"| {BACKEND_LABELS[backend]} | " + " | ".join(
+            f"{geomean(v):.1f}% ({min(v):.1f}-{max(v):.1f}%)" for v in shares.values()) + " |")
+    # fovi's kernels against knnconv's, timed on the same card model that day, where run
+    anchor = RESULTS / f"{path.stem.split('_layers_')[0]}_fovi_kernels_{date}.json"
+    if anchor.exists():
+        fovi = fovi_kernel_summaries(json.loads(anchor.read_text())["summary"])
+        speedups = "; ".join(
+            f"{BACKEND_LABELS[name]} {entry['train_fresh_speedup_geomean']:.2f}x training "
+            f"({entry['train_fresh_cells_slower']} of {entry['cells']} cells slower), "
+            f"{entry['forward_fresh_speedup_geomean']:.2f}x forward"
+            for name, entry in fovi.items() if name in ("auto", "auto/contiguous"))
+        lines += ["", f"Against fovi 2.4.0's kernels timed in one run on the same card "
+                  f"([bench/results/{anchor.name}](bench/results/{anchor.name}), fresh "
+                  f"operands, geometric mean): {speedups}."]
+    return wrap(lines)
+
+
 def fovi_kernel_summaries(summary: dict) -> dict[str, dict]:
     """bench_fovi_kernels.py's summary per knnconv backend (files written before it timed several
     backends hold one summary, the cuda backend's)."""
@@ -263,7 +304,8 @@ def wrap(lines: list[str], width: int = 92) -> str:
 
 
 BLOCKS = {"whole-models": whole_models, "latest-models": latest_models,
-          "per-layer": per_layer, "neighbourhood": neighbourhood}
+          "per-layer": per_layer, "latest-layers": latest_layers,
+          "neighbourhood": neighbourhood}
 
 
 def pattern(name: str) -> re.Pattern:
