@@ -241,10 +241,17 @@ def _repeats(args: argparse.Namespace, batch: int) -> int:
 
 def time_cell(models: PathModels, path: str, mode: str, batch: int, args: argparse.Namespace,
               device: torch.device) -> dict[str, Any]:
-    """One row: the median ms of a training step and its peak memory, or why it failed."""
+    """One row: the median ms of a training step and its memory, or why it failed.
+
+    ``peak_mib``: the most memory the timed steps allocated beyond what was allocated after
+    the first step (its gradients and what the path keeps between steps are counted as
+    already there). ``footprint_mib``: the same peak counted from before the first step, so
+    that what the path keeps between steps (gradients, optimizer state, caches of re-laid
+    out operands, tables built on first use) is counted too, but not the first step's
+    one-off allocations."""
     row: dict[str, Any] = {"model": args.current_model, "path": path, "mode": mode,
                            "batch": batch, "status": "ok", "median_ms": None, "peak_mib": None,
-                           "error": None}
+                           "footprint_mib": None, "error": None}
     module, forward = models.network(path)
     module.train()
     try:
@@ -253,6 +260,9 @@ def time_cell(models: PathModels, path: str, mode: str, batch: int, args: argpar
         timer = graph_replay_ms if mode == "graph" else time_calls
         # a captured step's warm-up and capture choose backends as for replays
         with context.using(graph_replay=mode == "graph"):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                before_first = torch.cuda.memory_allocated(device)
             # one step first: its one-off allocations (first-use checks, tables built on
             # first use) are not the footprint of a training step
             step()
@@ -263,7 +273,9 @@ def time_cell(models: PathModels, path: str, mode: str, batch: int, args: argpar
             row["median_ms"] = timer(step, device, warmup=args.warmup,
                                      repeats=_repeats(args, batch))[0]
         if device.type == "cuda":
-            row["peak_mib"] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
+            peak = torch.cuda.max_memory_allocated(device)
+            row["peak_mib"] = (peak - before) / 2**20
+            row["footprint_mib"] = (peak - before_first) / 2**20
     except torch.cuda.OutOfMemoryError as error:
         row.update(status="oom", error=str(error).splitlines()[0])
     except Exception as error:  # a failing path is a result; the other paths still run
@@ -334,7 +346,8 @@ def model_rows(name: str, args: argparse.Namespace,
         message = f"{type(error).__name__}: {error}"[:500]
         print(f"{name}: not built, {message}")
         return ([{"model": name, "path": None, "mode": None, "batch": None, "status": "error",
-                  "median_ms": None, "peak_mib": None, "error": f"build: {message}"}], {}, {})
+                  "median_ms": None, "peak_mib": None, "footprint_mib": None,
+                  "error": f"build: {message}"}], {}, {})
     sizes = {"sensor_samples": models.samples, "grid_side": models.side}
     print(f"{name}: in_res {args.in_res}, {models.samples} sensor samples, grid "
           f"{models.side}x{models.side}")
@@ -345,6 +358,7 @@ def model_rows(name: str, args: argparse.Namespace,
             print(f"  {path}: skipped, {models.grid_skip}")
             rows.append({"model": name, "path": path, "mode": None, "batch": None,
                          "status": "skipped", "median_ms": None, "peak_mib": None,
+                         "footprint_mib": None,
                          "error": models.grid_skip})
             continue
         for batch in args.batches:
@@ -353,6 +367,9 @@ def model_rows(name: str, args: argparse.Namespace,
                 rows.append(row)
                 shown = (f"{row['median_ms']:.2f} ms" if row["status"] == "ok"
                          else f"{row['status']}: {row['error']}")
+                if row["footprint_mib"] is not None:
+                    shown += (f", peak {row['peak_mib']:.0f} MiB, footprint "
+                              f"{row['footprint_mib']:.0f} MiB")
                 print(f"  {path:20} {mode:5} B={batch:<5} {shown}")
     breakdown: dict[str, list[dict[str, Any]]] = {}
     if device.type != "cuda":
