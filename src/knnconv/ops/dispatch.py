@@ -74,16 +74,17 @@ def resolve_backend(name: str, plan: GeometryPlan, device: torch.device, dtype: 
 # (triton_suits), then the NVRTC kernels (sm_80+, every layer).
 NATIVE_ORDER = ("triton", "cuda")
 # Replayed, the triton backend's training step reaches 43% of the floor on the large published
-# layers (geomean, one H100) against the cuda backend's 25%, but each of its calls costs more
-# host time (an eager training step of a small layer never under about 0.6 ms against cuda's
-# 0.31 on one H100 host, 1.0 against 0.72 on a slower H200 host). Eager, a layer's own
-# training step was the faster on triton from about 100 GFLOP of forward work (2 * B * real
-# entries * Cin * Cout) on the H200 host, 33 GFLOP on the H100 one. In whole models a lower
-# threshold did not pay: at 30 GFLOP a fovi ResNet-18's eager step at B = 2048 took 17.6
-# against 19.3 ms in a process of that model alone (bench/results/h100_eager_crossover.json)
-# but 20.7 against 20.9 in the whole-model bench, whose compiled step, which chooses by the
-# same rule, went from 22.0 to 27.2 ms, host-bound (bench/results/h100_eager30_fovi_models.json,
-# bench/NOTES.md 2026-12-06). Below this an eager call keeps the cuda kernels.
+# layers (geomean, one H100; 39% on one H200, against the cuda backend's 25% there), but each
+# of its calls costs more host time (an eager training step of a small layer never under about
+# 0.6 ms against cuda's 0.31 on one H100 host, 1.0 against 0.72 on a slower H200 host).
+# Eager, a layer's own training step was the faster on triton from about 100 GFLOP of forward
+# work (2 * B * real entries * Cin * Cout) on the H200 host, 33 GFLOP on the H100 one. In
+# whole models a lower threshold did not pay: at 30 GFLOP a fovi ResNet-18's eager step at
+# B = 2048 took 17.6 against 19.3 ms in a process of that model alone
+# (bench/results/h100_eager_crossover.json), but 20.7 in the whole-model bench (20.9 in the
+# previous run at 100 GFLOP), whose compiled step, which chooses by the same rule, went from
+# 22.0 to 27.2 ms, host-bound (bench/results/h100_eager30_fovi_models.json, bench/NOTES.md
+# 2026-12-06). Below this an eager call keeps the cuda kernels.
 TRITON_MIN_FORWARD_FLOP = 100e9
 # A few-channel stem's forward-only call (inference) or training step replayed as a CUDA
 # graph. On stems of at most 64 output channels from about 2**18 output rows (B * Nout) up

@@ -239,6 +239,13 @@ def _repeats(args: argparse.Namespace, batch: int) -> int:
     return min(args.repeats, LARGE_BATCH_REPEATS)
 
 
+def result_row(model: str, path: str | None, mode: str | None, batch: int | None, *,
+               status: str = "ok", error: str | None = None) -> dict[str, Any]:
+    """A row of the bench's results, its measurements not yet taken (see :func:`time_cell`)."""
+    return {"model": model, "path": path, "mode": mode, "batch": batch, "status": status,
+            "median_ms": None, "peak_mib": None, "footprint_mib": None, "error": error}
+
+
 def time_cell(models: PathModels, path: str, mode: str, batch: int, args: argparse.Namespace,
               device: torch.device) -> dict[str, Any]:
     """One row: the median ms of a training step and its memory, or why it failed.
@@ -249,9 +256,7 @@ def time_cell(models: PathModels, path: str, mode: str, batch: int, args: argpar
     that what the path keeps between steps (gradients, optimizer state, caches of re-laid
     out operands, tables built on first use) is counted too, but not the first step's
     one-off allocations."""
-    row: dict[str, Any] = {"model": args.current_model, "path": path, "mode": mode,
-                           "batch": batch, "status": "ok", "median_ms": None, "peak_mib": None,
-                           "footprint_mib": None, "error": None}
+    row = result_row(args.current_model, path, mode, batch)
     module, forward = models.network(path)
     module.train()
     try:
@@ -345,9 +350,8 @@ def model_rows(name: str, args: argparse.Namespace,
     except Exception as error:  # a model fovi cannot build here is a result, not a crash
         message = f"{type(error).__name__}: {error}"[:500]
         print(f"{name}: not built, {message}")
-        return ([{"model": name, "path": None, "mode": None, "batch": None, "status": "error",
-                  "median_ms": None, "peak_mib": None, "footprint_mib": None,
-                  "error": f"build: {message}"}], {}, {})
+        return ([result_row(name, None, None, None, status="error",
+                            error=f"build: {message}")], {}, {})
     sizes = {"sensor_samples": models.samples, "grid_side": models.side}
     print(f"{name}: in_res {args.in_res}, {models.samples} sensor samples, grid "
           f"{models.side}x{models.side}")
@@ -356,10 +360,8 @@ def model_rows(name: str, args: argparse.Namespace,
     for path in args.paths:
         if path in GRID_PATHS and models.grid is None:
             print(f"  {path}: skipped, {models.grid_skip}")
-            rows.append({"model": name, "path": path, "mode": None, "batch": None,
-                         "status": "skipped", "median_ms": None, "peak_mib": None,
-                         "footprint_mib": None,
-                         "error": models.grid_skip})
+            rows.append(result_row(name, path, None, None, status="skipped",
+                                   error=models.grid_skip))
             continue
         for batch in args.batches:
             for mode in modes:
