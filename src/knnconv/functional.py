@@ -68,8 +68,10 @@ class KNNConvFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, plan: KNNConvPlan, ops: KNNConvOps, dtype: torch.dtype):
         need_x, need_w = ctx.needs_input_grad[:2]
         keep = need_w and context.settings().keep_input_relayout
-        # the operands in the compute dtype, cast once: dx reads the same cast weight
-        xc, wc, bc = cast_operands(ops, x, weight, bias, dtype)
+        # the operands in the compute dtype, cast once: dx reads the same cast weight (or the
+        # weight itself, where the backend casts it as it lays it out)
+        xc, wc, bc = cast_operands(ops, x, weight, bias, dtype,
+                                   weight_cast_by_backend=ops.casts_weight)
         y, saved_x = forward_impl(plan, ops, xc, wc, bc, dtype, keep_for_backward=keep)
         if isinstance(saved_x, torch.Tensor):
             ctx.save_for_backward(saved_x if need_w else None, wc if need_x else None)

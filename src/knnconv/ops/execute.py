@@ -31,19 +31,22 @@ def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
-def cast_operands(ops: KNNConvOps, x, weight, bias, dtype: torch.dtype):
+def cast_operands(ops: KNNConvOps, x, weight, bias, dtype: torch.dtype, *,
+                  weight_cast_by_backend: bool = False):
     """x, weight and bias as the backend takes them: in the compute dtype, but a float32 bias
-    kept where the backend adds it in float32 (KNNConvOps.float32_bias)."""
+    kept where the backend adds it in float32 (KNNConvOps.float32_bias), and the weight in its
+    own dtype when ``weight_cast_by_backend`` (KNNConvOps.casts_weight)."""
     keep_bias = bias is None or (ops.float32_bias and bias.dtype == torch.float32)
-    return _in_dtype(x, dtype), _in_dtype(weight, dtype), bias if keep_bias else _in_dtype(
-        bias, dtype)
+    return (_in_dtype(x, dtype), weight if weight_cast_by_backend else _in_dtype(weight, dtype),
+            bias if keep_bias else _in_dtype(bias, dtype))
 
 
 def forward_impl(plan: KNNConvPlan, ops: KNNConvOps, x, weight, bias, dtype: torch.dtype,
                  keep_for_backward: bool):
     """y in the compute dtype, and what the weight gradient needs of x (x in the compute dtype,
     or the backend's own re-layout of it, see KNNConvOps.forward_saving)."""
-    xc, wc, bc = cast_operands(ops, x, weight, bias, dtype)
+    xc, wc, bc = cast_operands(ops, x, weight, bias, dtype,
+                               weight_cast_by_backend=ops.casts_weight)
     if x.shape[0] == 0:  # an empty batch is legal; no backend needs to handle it
         return xc.new_empty(0, plan.nout, plan.cout).transpose(1, 2), xc
     if keep_for_backward:
@@ -57,7 +60,7 @@ def backward_impl(plan: KNNConvPlan, ops: KNNConvOps, grad_y, saved_x, weight, n
     it belongs to (``dtypes``), accumulated in at least float32; grad_x in channels-last
     storage when ``dx_channels_last`` (the forward's x was), else contiguous."""
     grad_y = _in_dtype(grad_y, dtype)
-    wc = _in_dtype(weight, dtype) if needs[0] else None
+    wc = None if not needs[0] else weight if ops.casts_weight else _in_dtype(weight, dtype)
     if grad_y.shape[0] == 0:
         grad_x = grad_y.new_zeros(0, plan.cin, plan.nin, dtype=dtypes[0]) if needs[0] else None
         grad_w = grad_y.new_zeros(plan.cout, plan.q, dtype=dtypes[1]) if needs[1] else None

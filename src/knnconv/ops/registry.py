@@ -74,6 +74,10 @@ class KNNConvOps:
     # True when forward accepts a float32 bias whatever the compute dtype (and adds it in
     # float32), sparing the autograd layer a cast under autocast.
     float32_bias: bool = False
+    # True when forward and gradients accept the weight in any float dtype and cast it to the
+    # compute dtype (that of x and grad_y) as they lay it out, sparing the autograd layer a
+    # cast kernel per call under autocast.
+    casts_weight: bool = False
     # True when the backend implements neighbourhood ops (pool_*, depthwise_*); its
     # unsupported_reason names any it lacks.
     serves_neighbourhood: bool = False
@@ -90,7 +94,8 @@ class KNNConvOps:
 
     def forward(self, plan: KNNConvPlan, x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
-        """y [B, Cout, Nout] in x's dtype."""
+        """y [B, Cout, Nout] in x's dtype; the weight in x's dtype, or in any float dtype where
+        ``casts_weight``."""
         raise NotImplementedError
 
     def forward_saving(self, plan: KNNConvPlan, x: torch.Tensor, weight: torch.Tensor,
@@ -136,7 +141,8 @@ class KNNConvOps:
         """(grad_x, grad_weight, grad_bias), None where ``needs`` says not needed, each in its
         dtype from ``dtypes`` (x's, weight's, bias's), accumulated in at least float32.
 
-        grad_y and weight are in the compute dtype, x as forward_saving returned it. grad_x is
+        grad_y and weight are in the compute dtype (the weight in its own where
+        ``casts_weight``), x as forward_saving returned it. grad_x is
         in channels-last storage when ``dx_channels_last`` (the forward's x was), else
         contiguous. Backends override this to fuse the conversions, the bias reduction and
         dx's storage into their own launches.

@@ -304,3 +304,25 @@ def test_auto_never_takes_it_on_the_cpu():
     _, plan, (x, w, b, _) = make_case(1, 2, 16, 16)
     _, ran = knnconv.knn_conv_with_backend(x.half(), w.half(), b.half(), plan, "auto")
     assert ran != "triton"
+
+
+@pytest.mark.parametrize("cin", [32, 3], ids=["cin32", "stem_cin3"])
+def test_float32_parameters_under_autocast_train_as_their_float16_casts_do(cin):
+    """The backend casts a float32 weight as it lays it out (TritonOps.casts_weight): y and dx
+    are those of the weight cast beforehand, bit for bit, and dW comes back in float32."""
+    geometry, plan, (x, w, b, gy) = make_case(5 + cin, 17, cin, 16, padding=0.3)
+    xh, gyh = x.half(), gy.half()
+    w32 = w.float().requires_grad_()
+    results = {}
+    for name, weight in (("float32 under autocast", w32), ("float16", w.float().half())):
+        xi = xh.clone().requires_grad_()
+        weight = weight.detach().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.float16, enabled=weight.dtype == torch.float32):
+            y, ran = knnconv.knn_conv_with_backend(xi, weight, b.half(), plan, "triton")
+        y.backward(gyh)
+        assert ran == "triton" and y.dtype == torch.float16
+        results[name] = (y, xi.grad, weight.grad)
+    (y32, dx32, dw32), (y16, dx16, dw16) = results.values()
+    assert torch.equal(y32, y16) and torch.equal(dx32, dx16)
+    assert dw32.dtype == torch.float32
+    assert torch.equal(dw32.half(), dw16)

@@ -54,6 +54,7 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
 
     name = "triton"
     float32_bias = True
+    casts_weight = True  # launch.weight_by_cell casts as it lays the weight out
 
     def __init__(self) -> None:
         super().__init__()
@@ -159,7 +160,9 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
                                bias, self.tables(plan, x.device), nout=plan.nout, v=plan.v,
                                tile=tile, poison=first)
         if first:
-            self._check(key, y, lambda *args: self._oracle.forward(plan, *args), x, weight, bias)
+            # judged on the operands the kernel multiplied: the weight rounded as it was cast
+            self._check(key, y, lambda *args: self._oracle.forward(plan, *args), x,
+                        weight.to(x.dtype), bias)
         return y
 
     def gradients(self, plan, grad_y, x, weight, needs, dtypes, *,
@@ -213,7 +216,9 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
                 grads[1] = grads[1][:, :plan.cin * plan.v].contiguous()
         if need_bias:
             grads[2] = grad_y.sum(dim=(0, 2), dtype=torch.float32)
-        self._check_gradients(plan, keys, first, grads, grad_y, x, weight)
+        if first:
+            self._check_gradients(plan, keys, first, grads, grad_y, x,
+                                  None if weight is None else weight.to(grad_y.dtype))
         grad_x = None if grads[0] is None else in_storage(grads[0], dx_channels_last)
         grad_w = None if grads[1] is None else grads[1].to(grad_dtypes[1])
         grad_b = None if grads[2] is None else grads[2].to(grad_dtypes[2])

@@ -209,13 +209,16 @@ def depthwise_grad_weight_splits(tile: TileConfig, *, batch: int, channels: int,
     return _splits(tiles, steps, processors, PROGRAMS_PER_SM)
 
 
-def weight_by_cell(weight: torch.Tensor, cin: int, v: int, *, reverse: bool) -> torch.Tensor:
-    """weight [Cout, Cin*V] laid out by cell: [V*Cin, Cout] (wc[v*Cin + c, o] = W[o, c*V + v])
-    for the forward, or [V*Cout, Cin] (wr[v*Cout + o, c]) for dx when ``reverse``."""
+def weight_by_cell(weight: torch.Tensor, cin: int, v: int, dtype: torch.dtype, *,
+                   reverse: bool) -> torch.Tensor:
+    """weight [Cout, Cin*V] (any float dtype) laid out by cell in ``dtype``: [V*Cin, Cout]
+    (wc[v*Cin + c, o] = W[o, c*V + v]) for the forward, or [V*Cout, Cin] (wr[v*Cout + o, c])
+    for dx when ``reverse``. One copy kernel casts and permutes."""
     cout = weight.shape[0]
     cells = weight.view(cout, cin, v).permute(2, 0, 1) if reverse else weight.view(
         cout, cin, v).permute(2, 1, 0)
-    return cells.contiguous().view(-1, cin if reverse else cout)
+    laid_out = torch.empty(cells.shape, dtype=dtype, device=weight.device)
+    return laid_out.copy_(cells).view(-1, cin if reverse else cout)
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -225,7 +228,7 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     [B, Cin, Nin] must be :func:`boxable`; bias (any float dtype) is added in float32."""
     batch, cin, _ = x.shape
     cout = weight.shape[0]
-    cells = weight_by_cell(weight, cin, v, reverse=False)
+    cells = weight_by_cell(weight, cin, v, x.dtype, reverse=False)
     y = _poisoned_or_empty((batch, nout, cout), x.dtype, x.device, poison)
     grid = (nout, triton.cdiv(batch, tile.block_m), triton.cdiv(cout, tile.block_n))
     use_scratch_allocator()
@@ -245,7 +248,7 @@ def grad_input(grad_y: torch.Tensor, weight: torch.Tensor, tables: TritonTables,
     [B, Cout, Nout] must be :func:`boxable`."""
     batch, cout, _ = grad_y.shape
     cin = weight.shape[1] // v
-    cells = weight_by_cell(weight, cin, v, reverse=True)
+    cells = weight_by_cell(weight, cin, v, grad_y.dtype, reverse=True)
     dx = _poisoned_or_empty((batch, nin, cin), dtype, grad_y.device, poison)
     grid = (nin, triton.cdiv(batch, tile.block_m), triton.cdiv(cin, tile.block_n))
     use_scratch_allocator()
@@ -353,7 +356,7 @@ def stem_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if tile.block_k < slots:
         raise ValueError(f"stem_forward: block_k {tile.block_k} holds no neighbour's "
                          f"{slots} channel slots")
-    cells = weight_by_cell(weight, cin, v, reverse=False)
+    cells = weight_by_cell(weight, cin, v, x.dtype, reverse=False)
     y = _poisoned_or_empty((batch, nout, cout), x.dtype, x.device, poison)
     grid = (nout, triton.cdiv(batch, tile.block_m), triton.cdiv(cout, tile.block_n))
     knn_stem_forward_kernel[grid](
@@ -403,7 +406,7 @@ def stem_grad_input(grad_y: torch.Tensor, weight: torch.Tensor, tables: StemTabl
     cin = weight.shape[1] // v
     k = tables.neighbour.shape[1]
     rows = k * cin
-    cells = weight_by_cell(weight, cin, v, reverse=False)
+    cells = weight_by_cell(weight, cin, v, grad_y.dtype, reverse=False)
     dxt = _poisoned_or_empty((nin, cin, batch), dtype, grad_y.device, poison)
     chunk = max(tile.block_n, workspace_bytes // (4 * nout * rows) // tile.block_n
                 * tile.block_n)
