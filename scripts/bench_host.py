@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 import triton.runtime.jit
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 import knnconv
 import knnconv.functional
@@ -105,6 +106,8 @@ STAGES = {
         (knnconv.ops.triton.launch, "grad_input", "launch.grad_input"),
         (knnconv.ops.triton.launch, "grad_weight", "launch.grad_weight"),
         (knnconv.ops.triton.launch, "weight_by_cell", "weight_by_cell (re-layouts)"),
+        (knnconv.ops.triton.launch, "rows_descriptor", "rows_descriptor"),
+        (TensorDescriptor, "from_tensor", "TensorDescriptor.from_tensor"),
         (knnconv.ops.triton.launch, "_poisoned_or_empty", "outputs allocated"),
         (triton.runtime.jit.JITFunction, "run", "Triton JITFunction.run (launches)"),
         (knnconv.ops.triton.backend.TritonOps, "tables", "TritonOps.tables"),

@@ -20,12 +20,9 @@ here is two tensor-descriptor loads (TMA on Hopper, zero-filled out of bounds) a
   from DRAM. Each tile's windows add their sums in window order (a program waits for the
   previous window's turn), so dW is the same from run to run.
 
-Each program builds its tensor descriptors on the device from a base pointer, sizes and strides
-(``tl.make_tensor_descriptor``): a launch then passes plain arguments, where descriptors built
-on the host cost each launch their encoding into tensor maps. Entry tables hold element
-offsets (m*Cin, v*Cin, ...) so a step's box coordinates are loads, not products.
-Accumulation is float32 in every kernel; outputs are stored through masked pointers, so any
-batch and channel count past the contraction's chunking is served.
+Entry tables hold element offsets (m*Cin, v*Cin, ...) so a step's box coordinates are loads,
+not products. Accumulation is float32 in every kernel; outputs are stored through masked
+pointers, so any batch and channel count past the contraction's chunking is served.
 """
 
 from __future__ import annotations
@@ -35,15 +32,10 @@ import triton.language as tl
 
 
 @triton.jit
-def knn_conv_forward_kernel(x_ptr, x_stride, w_ptr, y_ptr, bias_ptr, count_ptr, entry_x_ptr,
-                            entry_w_ptr, batch, nin, cin, nout, cout, v, k_max,
-                            HAS_BIAS: tl.constexpr, CHUNKS: tl.constexpr,
-                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    # x as [B, Nin*Cin] (batch stride x_stride), the weight by cell [V*Cin, Cout]
-    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[batch, nin * cin], strides=[x_stride, 1],
-                                       block_shape=[BM, BK])
-    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[v * cin, cout], strides=[cout, 1],
-                                       block_shape=[BK, BN])
+def knn_conv_forward_kernel(x_desc, w_desc, y_ptr, bias_ptr, count_ptr, entry_x_ptr, entry_w_ptr,
+                       batch, nout, cout, k_max,
+                       HAS_BIAS: tl.constexpr, CHUNKS: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     node = tl.program_id(0)
     b0 = tl.program_id(1) * BM
     o0 = tl.program_id(2) * BN
@@ -65,15 +57,10 @@ def knn_conv_forward_kernel(x_ptr, x_stride, w_ptr, y_ptr, bias_ptr, count_ptr, 
 
 
 @triton.jit
-def knn_conv_grad_input_kernel(gy_ptr, gy_stride, w_ptr, dx_ptr, start_ptr, pair_gy_ptr,
-                               pair_w_ptr, batch, nin, cin, nout, cout, v,
-                               CHUNKS: tl.constexpr,
-                               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    # grad_y as [B, Nout*Cout] (batch stride gy_stride), the weight by cell [V*Cout, Cin]
-    gy_desc = tl.make_tensor_descriptor(gy_ptr, shape=[batch, nout * cout],
-                                        strides=[gy_stride, 1], block_shape=[BM, BK])
-    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[v * cout, cin], strides=[cin, 1],
-                                       block_shape=[BK, BN])
+def knn_conv_grad_input_kernel(gy_desc, w_desc, dx_ptr, start_ptr, pair_gy_ptr, pair_w_ptr,
+                          batch, nin, cin,
+                          CHUNKS: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     node = tl.program_id(0)
     b0 = tl.program_id(1) * BM
     c0 = tl.program_id(2) * BN
@@ -108,14 +95,10 @@ def cell_split_steps(start_ptr, cells, splits, batch_chunks):
 
 
 @triton.jit
-def knn_conv_grad_weight_kernel(x_ptr, x_stride, gy_ptr, gy_stride, grad_ptr, turn_ptr,
-                                share_start_ptr, pair_x_ptr, pair_gy_ptr, batch, nin, cin,
-                                nout, cout, cells, shares, groups, batch_chunks,
+def knn_conv_grad_weight_kernel(x_desc, gy_desc, grad_ptr, turn_ptr, share_start_ptr,
+                                pair_x_ptr, pair_gy_ptr, cin, cout, cells, shares, groups,
+                                batch_chunks,
                                 BM: tl.constexpr, BN: tl.constexpr, BB: tl.constexpr):
-    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[batch, nin * cin], strides=[x_stride, 1],
-                                       block_shape=[BB, BM])
-    gy_desc = tl.make_tensor_descriptor(gy_ptr, shape=[batch, nout * cout],
-                                        strides=[gy_stride, 1], block_shape=[BB, BN])
     # program id (window * cells + cell) * tiles + tile: the programs of one window are
     # consecutive, so they run together; window = group * shares + share
     tiles_n = tl.cdiv(cout, BN)

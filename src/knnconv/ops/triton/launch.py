@@ -1,10 +1,7 @@
 """Launches of the ``triton`` backend's kernels (knnconv.ops.triton.kernels): the tiles, the
 tensor descriptors, the grids and the outputs of one call. Operands arrive in the storage the
 kernels read (see :func:`boxable`), with a multiple of MIN_BLOCK input channels (see
-:func:`padded_channels`); the weight is laid out by cell here, once per call. The kernels
-build their tensor descriptors on the device: a launch passes each boxed operand as a pointer
-and its batch stride (:func:`batch_stride`), and Triton takes the descriptors' scratch memory
-from the allocator :func:`use_scratch_allocator` installs.
+:func:`padded_channels`); the weight is laid out by cell here, once per call.
 """
 
 from __future__ import annotations
@@ -15,7 +12,7 @@ from functools import cache
 
 import torch
 import triton
-from triton.runtime import _allocation
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .configs import MIN_BLOCK, TileConfig, tile_config
 from .depthwise_kernels import (
@@ -94,26 +91,11 @@ def weight_with_padded_channels(weight: torch.Tensor, channels: int, v: int) -> 
     return torch.nn.functional.pad(weight, (0, channels * v - weight.shape[1]))
 
 
-def batch_stride(t: torch.Tensor) -> int:
-    """The row stride of [B, C, N] channels-last t as the kernels' 2-D view [B, N*C] (any
-    batch stride; a batch of one gets its row's length, which a tensor map accepts)."""
+def rows_descriptor(t: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:
+    """The tensor map of [B, C, N] channels-last t as [B, N*C], in boxes of ``block``."""
     batch, channels, nodes = t.shape
-    return t.stride(0) if batch > 1 else nodes * channels
-
-
-def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Scratch memory of one launch on the current device (where Triton launches), from
-    torch's caching allocator: its blocks are 512-byte aligned, more than Triton asks."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def use_scratch_allocator() -> None:
-    """Give Triton an allocator for the device descriptors' scratch memory (128 bytes per
-    descriptor and program, asked at each launch) unless one is set in this context: Triton
-    keeps it in a context variable, so each thread that launches (the autograd engine's
-    included) needs its own."""
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_scratch)
+    stride = t.stride(0) if batch > 1 else nodes * channels
+    return TensorDescriptor(t, [batch, nodes * channels], [stride, 1], list(block))
 
 
 def _poisoned_or_empty(shape, dtype, device, poison: bool) -> torch.Tensor:
@@ -231,11 +213,11 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     cells = weight_by_cell(weight, cin, v, x.dtype, reverse=False)
     y = _poisoned_or_empty((batch, nout, cout), x.dtype, x.device, poison)
     grid = (nout, triton.cdiv(batch, tile.block_m), triton.cdiv(cout, tile.block_n))
-    use_scratch_allocator()
     knn_conv_forward_kernel[grid](
-        x, batch_stride(x), cells, y, y if bias is None else bias, tables.count,
-        tables.entry_x, tables.entry_w, batch, x.shape[2], cin, nout, cout, v,
-        tables.entry_x.shape[1],
+        rows_descriptor(x, (tile.block_m, tile.block_k)),
+        TensorDescriptor.from_tensor(cells, [tile.block_k, tile.block_n]),
+        y, y if bias is None else bias, tables.count, tables.entry_x, tables.entry_w,
+        batch, nout, cout, tables.entry_x.shape[1],
         HAS_BIAS=bias is not None, CHUNKS=cin // tile.block_k, BM=tile.block_m,
         BN=tile.block_n, BK=tile.block_k, num_warps=tile.warps, num_stages=tile.stages)
     return y.transpose(1, 2)
@@ -251,10 +233,10 @@ def grad_input(grad_y: torch.Tensor, weight: torch.Tensor, tables: TritonTables,
     cells = weight_by_cell(weight, cin, v, grad_y.dtype, reverse=True)
     dx = _poisoned_or_empty((batch, nin, cin), dtype, grad_y.device, poison)
     grid = (nin, triton.cdiv(batch, tile.block_m), triton.cdiv(cin, tile.block_n))
-    use_scratch_allocator()
     knn_conv_grad_input_kernel[grid](
-        grad_y, batch_stride(grad_y), cells, dx, tables.pair_start, tables.pair_gy,
-        tables.pair_w, batch, nin, cin, grad_y.shape[2], cout, v,
+        rows_descriptor(grad_y, (tile.block_m, tile.block_k)),
+        TensorDescriptor.from_tensor(cells, [tile.block_k, tile.block_n]),
+        dx, tables.pair_start, tables.pair_gy, tables.pair_w, batch, nin, cin,
         CHUNKS=cout // tile.block_k, BM=tile.block_m, BN=tile.block_n, BK=tile.block_k,
         num_warps=tile.warps, num_stages=tile.stages)
     return dx.transpose(1, 2)
@@ -266,16 +248,16 @@ def grad_weight(grad_y: torch.Tensor, x: torch.Tensor, tables: TritonTables,
     """dW [Cout, Cin*V] in float32, deterministic: each cell's tile adds its windows' sums in
     window order. ``share_starts``: tables.build_share_starts for ``windows.shares``. x
     [B, Cin, Nin] and grad_y [B, Cout, Nout] must be :func:`boxable`."""
-    batch, cin, nin = x.shape
-    cout, nout = grad_y.shape[1:]
+    batch, cin, _ = x.shape
+    cout = grad_y.shape[1]
     grad = _poisoned_or_empty((v, cin, cout), torch.float32, x.device, poison)
     tiles = triton.cdiv(cin, tile.block_m) * triton.cdiv(cout, tile.block_n)
     turns = torch.zeros(v * tiles, dtype=torch.int32, device=x.device)
-    use_scratch_allocator()
     knn_conv_grad_weight_kernel[(windows.count * v * tiles,)](
-        x, batch_stride(x), grad_y, batch_stride(grad_y), grad, turns, share_starts,
-        tables.cell_x, tables.cell_gy, batch, nin, cin, nout, cout, v, windows.shares,
-        windows.groups, triton.cdiv(batch, tile.block_k), BM=tile.block_m,
+        rows_descriptor(x, (tile.block_k, tile.block_m)),
+        rows_descriptor(grad_y, (tile.block_k, tile.block_n)),
+        grad, turns, share_starts, tables.cell_x, tables.cell_gy, cin, cout, v,
+        windows.shares, windows.groups, triton.cdiv(batch, tile.block_k), BM=tile.block_m,
         BN=tile.block_n, BB=tile.block_k, num_warps=tile.warps, num_stages=tile.stages)
     # [V, Cin, Cout] -> [Cout, Cin, V]
     return grad.permute(2, 1, 0).reshape(cout, cin * v)
@@ -379,10 +361,9 @@ def stem_grad_weight(grad_y: torch.Tensor, x: torch.Tensor, tables: StemTables, 
     rows = k * slots
     partial = _poisoned_or_empty((nout, rows, cout), torch.float32, x.device, poison)
     grid = (nout, triton.cdiv(rows, tile.block_m), triton.cdiv(cout, tile.block_n))
-    use_scratch_allocator()
     knn_stem_grad_weight_kernel[grid](
-        batch_innermost(x), grad_y, batch_stride(grad_y), partial, tables.neighbour,
-        tables.cell, batch, nin, cin, nout, cout, k, SLOTS=slots,
+        batch_innermost(x), rows_descriptor(grad_y, (tile.block_k, tile.block_n)), partial,
+        tables.neighbour, tables.cell, batch, nin, cin, cout, k, SLOTS=slots,
         BM=tile.block_m, BN=tile.block_n, BB=tile.block_k, num_warps=tile.warps,
         num_stages=tile.stages)
     grad = _poisoned_or_empty((cout, cin * v), torch.float32, x.device, poison)
@@ -412,14 +393,13 @@ def stem_grad_input(grad_y: torch.Tensor, weight: torch.Tensor, tables: StemTabl
                 * tile.block_n)
     chunk = min(chunk, triton.cdiv(batch, tile.block_n) * tile.block_n)
     slot_grads = torch.empty((nout, rows, chunk), dtype=torch.float32, device=grad_y.device)
-    use_scratch_allocator()
+    descriptor = rows_descriptor(grad_y, (tile.block_n, tile.block_k))
     for start in range(0, batch, chunk):
         size = min(chunk, batch - start)
         knn_stem_slot_grad_kernel[(nout, triton.cdiv(rows, tile.block_m),
                                    triton.cdiv(size, tile.block_n))](
-            grad_y, batch_stride(grad_y), cells, slot_grads, tables.neighbour, tables.cell,
-            batch, start, chunk, nin, cin, nout, cout, k, BR=tile.block_m, BB=tile.block_n,
-            BO=tile.block_k,
+            descriptor, cells, slot_grads, tables.neighbour, tables.cell, start, chunk, nin,
+            cin, cout, k, BR=tile.block_m, BB=tile.block_n, BO=tile.block_k,
             num_warps=tile.warps, num_stages=tile.stages)
         # dxt[m, c, start + b]: an input node's sum is group m, channel stride B
         knn_stem_entry_sum_kernel[(nin, triton.cdiv(size, PAIR_SUM_BATCH))](

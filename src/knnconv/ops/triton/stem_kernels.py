@@ -71,12 +71,10 @@ def knn_stem_forward_kernel(xt_ptr, w_ptr, y_ptr, bias_ptr, neighbour_ptr, cell_
 
 
 @triton.jit
-def knn_stem_grad_weight_kernel(xt_ptr, gy_ptr, gy_stride, partial_ptr, neighbour_ptr,
-                                cell_ptr, batch, nin, cin, nout, cout, k,
+def knn_stem_grad_weight_kernel(xt_ptr, gy_desc, partial_ptr, neighbour_ptr, cell_ptr,
+                                batch, nin, cin, cout, k,
                                 SLOTS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                                 BB: tl.constexpr):
-    gy_desc = tl.make_tensor_descriptor(gy_ptr, shape=[batch, nout * cout],
-                                        strides=[gy_stride, 1], block_shape=[BB, BN])
     node = tl.program_id(0)
     r0 = tl.program_id(1) * BM
     o0 = tl.program_id(2) * BN
@@ -99,11 +97,9 @@ def knn_stem_grad_weight_kernel(xt_ptr, gy_ptr, gy_stride, partial_ptr, neighbou
 
 
 @triton.jit
-def knn_stem_slot_grad_kernel(gy_ptr, gy_stride, w_ptr, q_ptr, neighbour_ptr, cell_ptr,
-                              batch, batch_start, chunk, nin, cin, nout, cout, k,
+def knn_stem_slot_grad_kernel(gy_desc, w_ptr, q_ptr, neighbour_ptr, cell_ptr,
+                              batch_start, chunk, nin, cin, cout, k,
                               BR: tl.constexpr, BB: tl.constexpr, BO: tl.constexpr):
-    gy_desc = tl.make_tensor_descriptor(gy_ptr, shape=[batch, nout * cout],
-                                        strides=[gy_stride, 1], block_shape=[BB, BO])
     # Q[n, r, b - batch_start] for the node's slot rows r = k*Cin + c and one batch tile of the
     # chunk: W's rows of the node's slots [BR, BO] @ grad_y's box of the node [BB, BO]^T, over
     # output-channel chunks (BO divides Cout, so a box never reads the next node's columns)
