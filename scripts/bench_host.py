@@ -45,6 +45,7 @@ import knnconv.ops.cuda.relayout
 import knnconv.ops.first_use
 import knnconv.ops.triton.backend
 import knnconv.ops.triton.launch
+import knnconv.ops.triton.launcher
 from knnconv.ops.cuda.launch import Transpose
 from knnconv.tools.bench import load_geometry_dir, random_inputs, time_calls
 
@@ -106,10 +107,11 @@ STAGES = {
         (knnconv.ops.triton.launch, "grad_input", "launch.grad_input"),
         (knnconv.ops.triton.launch, "grad_weight", "launch.grad_weight"),
         (knnconv.ops.triton.launch, "weight_by_cell", "weight_by_cell (re-layouts)"),
-        (knnconv.ops.triton.launch, "rows_descriptor", "rows_descriptor"),
-        (TensorDescriptor, "from_tensor", "TensorDescriptor.from_tensor"),
         (knnconv.ops.triton.launch, "_poisoned_or_empty", "outputs allocated"),
-        (triton.runtime.jit.JITFunction, "run", "Triton JITFunction.run (launches)"),
+        (knnconv.ops.triton.launcher.KernelLauncher, "launch", "KernelLauncher.launch"),
+        (knnconv.ops.triton.launcher, "_cached_descriptor", "box descriptors (cached)"),
+        (TensorDescriptor, "__init__", "TensorDescriptor built"),
+        (triton.runtime.jit.JITFunction, "run", "Triton JITFunction.run (dispatched)"),
         (knnconv.ops.triton.backend.TritonOps, "tables", "TritonOps.tables"),
         (knnconv.ops.first_use.FirstUseChecks, "_first_use", "first-use lookups"),
         (knnconv.ops.first_use.FirstUseChecks, "_check_gradients", "first-use checks"),

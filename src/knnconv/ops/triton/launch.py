@@ -1,5 +1,5 @@
 """Launches of the ``triton`` backend's kernels (knnconv.ops.triton.kernels): the tiles, the
-tensor descriptors, the grids and the outputs of one call. Operands arrive in the storage the
+boxed operands, the grids and the outputs of one call. Operands arrive in the storage the
 kernels read (see :func:`boxable`), with a multiple of MIN_BLOCK input channels (see
 :func:`padded_channels`); the weight is laid out by cell here, once per call.
 """
@@ -12,7 +12,6 @@ from functools import cache
 
 import torch
 import triton
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .configs import MIN_BLOCK, TileConfig, tile_config
 from .depthwise_kernels import (
@@ -25,6 +24,7 @@ from .kernels import (
     knn_conv_grad_input_kernel,
     knn_conv_grad_weight_kernel,
 )
+from .launcher import Box, KernelLauncher
 from .stem_kernels import (
     knn_stem_entry_sum_kernel,
     knn_stem_forward_kernel,
@@ -32,6 +32,19 @@ from .stem_kernels import (
     knn_stem_slot_grad_kernel,
 )
 from .tables import DepthwiseTables, StemTables, TritonTables
+
+# Each kernel is launched through its compiled specialisation's launcher
+# (knnconv.ops.triton.launcher): Triton's dispatch of a call cost the host more than the launch
+conv_forward_kernel = KernelLauncher(knn_conv_forward_kernel)
+conv_grad_input_kernel = KernelLauncher(knn_conv_grad_input_kernel)
+conv_grad_weight_kernel = KernelLauncher(knn_conv_grad_weight_kernel)
+depthwise_forward_kernel = KernelLauncher(knn_depthwise_forward_kernel)
+depthwise_grad_input_kernel = KernelLauncher(knn_depthwise_grad_input_kernel)
+depthwise_grad_weight_kernel = KernelLauncher(knn_depthwise_grad_weight_kernel)
+stem_forward_kernel = KernelLauncher(knn_stem_forward_kernel)
+stem_grad_weight_kernel = KernelLauncher(knn_stem_grad_weight_kernel)
+stem_entry_sum_kernel = KernelLauncher(knn_stem_entry_sum_kernel)
+stem_slot_grad_kernel = KernelLauncher(knn_stem_slot_grad_kernel)
 
 TMA_ALIGNMENT = 16  # bytes: a tensor map's base address and row strides
 # The dW kernels split each cell's steps (batch chunks x pairs) until the grid holds this many
@@ -91,11 +104,16 @@ def weight_with_padded_channels(weight: torch.Tensor, channels: int, v: int) -> 
     return torch.nn.functional.pad(weight, (0, channels * v - weight.shape[1]))
 
 
-def rows_descriptor(t: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:
-    """The tensor map of [B, C, N] channels-last t as [B, N*C], in boxes of ``block``."""
+def rows_box(t: torch.Tensor, block: tuple[int, int]) -> Box:
+    """[B, C, N] channels-last t as the 2-D view [B, N*C], in boxes of ``block``."""
     batch, channels, nodes = t.shape
     stride = t.stride(0) if batch > 1 else nodes * channels
-    return TensorDescriptor(t, [batch, nodes * channels], [stride, 1], list(block))
+    return Box(t, (batch, nodes * channels), (stride, 1), block)
+
+
+def matrix_box(t: torch.Tensor, block: tuple[int, int]) -> Box:
+    """Contiguous 2-D t in boxes of ``block``."""
+    return Box(t, tuple(t.shape), (t.shape[1], 1), block)
 
 
 def _poisoned_or_empty(shape, dtype, device, poison: bool) -> torch.Tensor:
@@ -213,9 +231,9 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     cells = weight_by_cell(weight, cin, v, x.dtype, reverse=False)
     y = _poisoned_or_empty((batch, nout, cout), x.dtype, x.device, poison)
     grid = (nout, triton.cdiv(batch, tile.block_m), triton.cdiv(cout, tile.block_n))
-    knn_conv_forward_kernel[grid](
-        rows_descriptor(x, (tile.block_m, tile.block_k)),
-        TensorDescriptor.from_tensor(cells, [tile.block_k, tile.block_n]),
+    conv_forward_kernel[grid](
+        rows_box(x, (tile.block_m, tile.block_k)),
+        matrix_box(cells, (tile.block_k, tile.block_n)),
         y, y if bias is None else bias, tables.count, tables.entry_x, tables.entry_w,
         batch, nout, cout, tables.entry_x.shape[1],
         HAS_BIAS=bias is not None, CHUNKS=cin // tile.block_k, BM=tile.block_m,
@@ -233,9 +251,9 @@ def grad_input(grad_y: torch.Tensor, weight: torch.Tensor, tables: TritonTables,
     cells = weight_by_cell(weight, cin, v, grad_y.dtype, reverse=True)
     dx = _poisoned_or_empty((batch, nin, cin), dtype, grad_y.device, poison)
     grid = (nin, triton.cdiv(batch, tile.block_m), triton.cdiv(cin, tile.block_n))
-    knn_conv_grad_input_kernel[grid](
-        rows_descriptor(grad_y, (tile.block_m, tile.block_k)),
-        TensorDescriptor.from_tensor(cells, [tile.block_k, tile.block_n]),
+    conv_grad_input_kernel[grid](
+        rows_box(grad_y, (tile.block_m, tile.block_k)),
+        matrix_box(cells, (tile.block_k, tile.block_n)),
         dx, tables.pair_start, tables.pair_gy, tables.pair_w, batch, nin, cin,
         CHUNKS=cout // tile.block_k, BM=tile.block_m, BN=tile.block_n, BK=tile.block_k,
         num_warps=tile.warps, num_stages=tile.stages)
@@ -253,9 +271,9 @@ def grad_weight(grad_y: torch.Tensor, x: torch.Tensor, tables: TritonTables,
     grad = _poisoned_or_empty((v, cin, cout), torch.float32, x.device, poison)
     tiles = triton.cdiv(cin, tile.block_m) * triton.cdiv(cout, tile.block_n)
     turns = torch.zeros(v * tiles, dtype=torch.int32, device=x.device)
-    knn_conv_grad_weight_kernel[(windows.count * v * tiles,)](
-        rows_descriptor(x, (tile.block_k, tile.block_m)),
-        rows_descriptor(grad_y, (tile.block_k, tile.block_n)),
+    conv_grad_weight_kernel[(windows.count * v * tiles,)](
+        rows_box(x, (tile.block_k, tile.block_m)),
+        rows_box(grad_y, (tile.block_k, tile.block_n)),
         grad, turns, share_starts, tables.cell_x, tables.cell_gy, cin, cout, v,
         windows.shares, windows.groups, triton.cdiv(batch, tile.block_k), BM=tile.block_m,
         BN=tile.block_n, BB=tile.block_k, num_warps=tile.warps, num_stages=tile.stages)
@@ -282,7 +300,7 @@ def depthwise_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     nout = tables.neighbour.shape[1]
     y = _poisoned_or_empty((batch, nout, channels), x.dtype, x.device, poison).transpose(1, 2)
     grid = (nout, triton.cdiv(batch, tile.block_m), triton.cdiv(channels, tile.block_n))
-    knn_depthwise_forward_kernel[grid](
+    depthwise_forward_kernel[grid](
         x, weight.t().contiguous(), y if bias is None else bias, y, tables.neighbour,
         tables.cell, batch, channels, nin, nout, tables.neighbour.shape[0], *_strides(x),
         *_strides(y), HAS_BIAS=bias is not None, BB=tile.block_m, BC=tile.block_n,
@@ -298,7 +316,7 @@ def depthwise_grad_input(grad_y: torch.Tensor, weight: torch.Tensor, tables: Dep
     batch, channels, _ = grad_y.shape
     dx = _poisoned_or_empty((batch, nin, channels), dtype, grad_y.device, poison).transpose(1, 2)
     grid = (nin, triton.cdiv(batch, tile.block_m), triton.cdiv(channels, tile.block_n))
-    knn_depthwise_grad_input_kernel[grid](
+    depthwise_grad_input_kernel[grid](
         grad_y, weight.t().contiguous(), dx, tables.pair_start, tables.pair_node,
         tables.pair_cell, batch, channels, *_strides(grad_y), *_strides(dx), BB=tile.block_m,
         BC=tile.block_n, num_warps=tile.warps, num_stages=tile.stages)
@@ -314,7 +332,7 @@ def depthwise_grad_weight(grad_y: torch.Tensor, x: torch.Tensor, tables: Depthwi
     batch, channels, _ = x.shape
     partial = _poisoned_or_empty((splits, v, channels), torch.float32, x.device, poison)
     grid = (v * splits, triton.cdiv(channels, tile.block_n))
-    knn_depthwise_grad_weight_kernel[grid](
+    depthwise_grad_weight_kernel[grid](
         x, grad_y, partial, tables.cell_start, tables.cell_input, tables.cell_node, batch,
         channels, v, splits, triton.cdiv(batch, tile.block_m), *_strides(x),
         *_strides(grad_y), BB=tile.block_m, BC=tile.block_n, num_warps=tile.warps,
@@ -341,7 +359,7 @@ def stem_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     cells = weight_by_cell(weight, cin, v, x.dtype, reverse=False)
     y = _poisoned_or_empty((batch, nout, cout), x.dtype, x.device, poison)
     grid = (nout, triton.cdiv(batch, tile.block_m), triton.cdiv(cout, tile.block_n))
-    knn_stem_forward_kernel[grid](
+    stem_forward_kernel[grid](
         batch_innermost(x), cells, y, y if bias is None else bias, tables.neighbour,
         tables.cell, batch, nin, nout, cin, cout, tables.neighbour.shape[1],
         HAS_BIAS=bias is not None, SLOTS=slots, BM=tile.block_m, BN=tile.block_n,
@@ -361,14 +379,14 @@ def stem_grad_weight(grad_y: torch.Tensor, x: torch.Tensor, tables: StemTables, 
     rows = k * slots
     partial = _poisoned_or_empty((nout, rows, cout), torch.float32, x.device, poison)
     grid = (nout, triton.cdiv(rows, tile.block_m), triton.cdiv(cout, tile.block_n))
-    knn_stem_grad_weight_kernel[grid](
-        batch_innermost(x), rows_descriptor(grad_y, (tile.block_k, tile.block_n)), partial,
+    stem_grad_weight_kernel[grid](
+        batch_innermost(x), rows_box(grad_y, (tile.block_k, tile.block_n)), partial,
         tables.neighbour, tables.cell, batch, nin, cin, cout, k, SLOTS=slots,
         BM=tile.block_m, BN=tile.block_n, BB=tile.block_k, num_warps=tile.warps,
         num_stages=tile.stages)
     grad = _poisoned_or_empty((cout, cin * v), torch.float32, x.device, poison)
     # grad[o, c*V + cell]: a cell's sum is group cell, channel stride V, column stride Cin*V
-    knn_stem_entry_sum_kernel[(v, triton.cdiv(cout, tile.block_n))](
+    stem_entry_sum_kernel[(v, triton.cdiv(cout, tile.block_n))](
         partial, grad, tables.cell_start, tables.cell_slot, cout, cout, cin, slots,
         1, v, cin * v, 0, SLOTS=slots, BE=SUM_ENTRIES, BN=tile.block_n, num_warps=4)
     return grad
@@ -393,16 +411,16 @@ def stem_grad_input(grad_y: torch.Tensor, weight: torch.Tensor, tables: StemTabl
                 * tile.block_n)
     chunk = min(chunk, triton.cdiv(batch, tile.block_n) * tile.block_n)
     slot_grads = torch.empty((nout, rows, chunk), dtype=torch.float32, device=grad_y.device)
-    descriptor = rows_descriptor(grad_y, (tile.block_n, tile.block_k))
+    descriptor = rows_box(grad_y, (tile.block_n, tile.block_k))
     for start in range(0, batch, chunk):
         size = min(chunk, batch - start)
-        knn_stem_slot_grad_kernel[(nout, triton.cdiv(rows, tile.block_m),
+        stem_slot_grad_kernel[(nout, triton.cdiv(rows, tile.block_m),
                                    triton.cdiv(size, tile.block_n))](
             descriptor, cells, slot_grads, tables.neighbour, tables.cell, start, chunk, nin,
             cin, cout, k, BR=tile.block_m, BB=tile.block_n, BO=tile.block_k,
             num_warps=tile.warps, num_stages=tile.stages)
         # dxt[m, c, start + b]: an input node's sum is group m, channel stride B
-        knn_stem_entry_sum_kernel[(nin, triton.cdiv(size, PAIR_SUM_BATCH))](
+        stem_entry_sum_kernel[(nin, triton.cdiv(size, PAIR_SUM_BATCH))](
             slot_grads, dxt, tables.pair_start, tables.pair_slot, chunk, size, cin, cin,
             cin * batch, batch, 1, start, SLOTS=channel_slots(cin), BE=SUM_ENTRIES,
             BN=PAIR_SUM_BATCH, num_warps=4)
