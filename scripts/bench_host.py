@@ -19,6 +19,7 @@ between rounds so its queue never fills):
   forward and backward only allocate their outputs (the engine's own cost per step), torch's
   dispatch of one small kernel (`add_`), one `torch.empty`, and for the cuda backend one
   knnconv launch through its driver fast path (a 1-block re-layout);
+- the autocast training step under cProfile: its top Python functions by own time;
 - where the training step's host time goes: the inclusive time per step of each stage of the
   backend's call (the autograd Function's forward and backward, the backend op, its launches
   and allocations), each wrapped in a timer (~0.2 us a wrapper).
@@ -27,7 +28,9 @@ between rounds so its queue never fills):
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import time
 from pathlib import Path
@@ -160,6 +163,27 @@ def stage_breakdown(call, stages, calls: int = 2000) -> dict[str, dict[str, floa
             for label, (ns, count) in totals.items() if count}
 
 
+def function_profile(call, calls: int = 1000, top: int = 40) -> list[dict]:
+    """cProfile's ``top`` functions by own time over ``calls`` calls of ``call``: own and
+    inclusive microseconds and calls per call (cProfile's overhead inflates the times; the
+    counts and the ranking are what it tells)."""
+    for _ in range(20):
+        call()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for index in range(calls):
+        call()
+        if index % 100 == 99:
+            torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    rows = [{"function": f"{Path(file).name}:{line}({name})", "calls": count / calls,
+             "own_us": own / calls * 1e6, "inclusive_us": inclusive / calls * 1e6}
+            for (file, line, name), (_, count, own, inclusive, _) in stats.items()]
+    return sorted(rows, key=lambda row: -row["own_us"])[:top]
+
+
 def torch_conv_step(cin: int, cout: int, batch: int):
     """A training step of torch's own 3x3 conv2d (channels_last, fp16, 8 x 8 pixels)."""
     x = torch.randn(batch, cin, 8, 8, device=DEVICE, dtype=torch.float16).to(
@@ -245,6 +269,12 @@ def main() -> None:
         print(f"{name:66s} {value:8.1f} us")
     stages = {"training step": stage_breakdown(train, STAGES[backend]),
               "forward (no_grad)": stage_breakdown(forward, STAGES[backend])}
+    functions = function_profile(train_autocast)
+    print("training step, float32 parameters under autocast: cProfile's top functions by own "
+          "time per call")
+    for row in functions:
+        print(f"  {row['function'][:60]:60s} {row['own_us']:7.1f} own {row['inclusive_us']:7.1f} "
+              f"inclusive us ({row['calls']:.0f}x)")
     for call, breakdown in stages.items():
         print(f"{call}, inclusive host time per call of each stage:")
         for label, entry in breakdown.items():
@@ -252,7 +282,8 @@ def main() -> None:
     args.out.write_text(json.dumps({
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "backend": backend, "layer": args.layer, "batch": batch, "dtype": "float16",
-        "host_us": rows, "as_timed_us": as_timed, "stages_us": stages}, indent=1))
+        "host_us": rows, "as_timed_us": as_timed, "stages_us": stages,
+        "autocast_step_functions": functions}, indent=1))
     print(f"wrote {args.out}")
 
 

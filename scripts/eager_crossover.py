@@ -24,7 +24,7 @@ import torch
 
 from knnconv.ops import dispatch
 from knnconv.ops.timing import device_description, time_calls
-from knnconv.tools.fovi_models import PathModels, training_step
+from knnconv.tools.fovi_models import PathModels, script_arguments
 
 THRESHOLDS = (100e9, 30e9, 10e9, 0.0)
 ROUNDS = 3
@@ -37,21 +37,15 @@ def triton_layers(model: torch.nn.Module) -> int:
 
 
 def main() -> int:
-    out = sys.argv[1]
-    names = (sys.argv[2] if len(sys.argv) > 2 else "resnet18,alexnet").split(",")
-    batches = [int(b) for b in (sys.argv[3] if len(sys.argv) > 3 else "512,2048").split(",")]
+    out, names, batches = script_arguments(sys.argv, "resnet18,alexnet")
     device = torch.device("cuda")
     default = dispatch.TRITON_MIN_FORWARD_FLOP
     rows = []
     for name in names:
         models = PathModels(name, 64, device)
         for batch in batches:
-            steps = {}
-            for path in ("accelerated", "grid"):
-                module, forward = models.network(path)
-                module.train()
-                x, labels = models.inputs(path, batch, device)
-                steps[path] = training_step(module, forward, x, labels, device, graph=False)
+            steps = {path: models.eager_step(path, batch, device)
+                     for path in ("accelerated", "grid")}
             times: dict[str, list[float]] = {}
             on_triton: dict[str, int] = {}
             for _ in range(ROUNDS):

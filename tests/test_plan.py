@@ -195,3 +195,13 @@ def test_a_plan_pickled_before_it_counted_its_entries_still_counts_them():
     older = KNNConvPlan.__new__(KNNConvPlan)
     older.__setstate__(state)
     assert older.entry_count == plan.entry_count == 4
+
+
+def test_a_fresh_plan_counts_its_entries_so_torch_compile_traces_no_count():
+    """entry_count is counted when the plan is built: counted on first use inside a compiled
+    call (auto's dispatch reads it), its .item() would break the graph there."""
+    knn = torch.tensor([[0, 1, 3], [2, 3, 1]])
+    plan = make_plan(knn, torch.zeros(3, 2, dtype=torch.int64), nin=3, v=1, cin=2, cout=2)
+    torch._dynamo.reset()
+    scaled = torch.compile(lambda x: x * plan.entry_count, fullgraph=True, backend="eager")
+    assert torch.equal(scaled(torch.ones(2)), torch.full((2,), 4.0))

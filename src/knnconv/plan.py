@@ -18,7 +18,6 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from functools import cached_property
 from typing import Any
 
 import torch
@@ -250,7 +249,19 @@ class KNNConvPlan(GeometryPlan):
             input_linear,
             weight_linear,
         )
+        self._count_entries()
         self._finish()
+
+    def _count_entries(self) -> None:
+        # entry_count: the real (node, neighbour) pairs, what a kernel that skips padding
+        # contracts over. Counted when the plan is built (or unpickled without it), not on
+        # first use: torch.compile would trace the count's .item() and break the graph there.
+        self.entry_count = int((self._host.knn_indices != self.nin).sum())
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if "entry_count" not in state:  # pickled before plans counted their entries
+            self._count_entries()
 
     def _copy_tables(self, device: torch.device) -> DeviceTables:
         host = self._host
@@ -271,12 +282,6 @@ class KNNConvPlan(GeometryPlan):
     @property
     def rf_index(self) -> torch.Tensor:
         return self._host.rf_index
-
-    @cached_property
-    def entry_count(self) -> int:
-        """The real (node, neighbour) pairs: what a kernel that skips padding contracts over.
-        Derived on first use, so plans pickled before it existed still have it."""
-        return int((self._host.knn_indices != self.nin).sum())
 
     def __repr__(self) -> str:
         return (

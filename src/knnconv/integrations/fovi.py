@@ -84,6 +84,7 @@ from torch import nn
 from .. import context
 from ..functional import knn_conv_with_backend, knn_depthwise_conv_with_backend
 from ..ops import get_ops
+from ..ops.registry import is_channels_last
 from ..plan import KNNConvPlan, NeighbourhoodPlan, make_plan
 from ..pool import POOL_MODES, KNNPool
 from ..torch_ops import batch_norm_train_op
@@ -396,9 +397,10 @@ class _BatchNormRouter(_Router):
     other input goes to the layer's own forward.
 
     The view is taken with the strides torch.channels_last gives a contiguous tensor,
-    (N*C, 1, C, C). ``x.unsqueeze(-1)`` gives its size-1 dim stride 1 instead, and for such an
-    input torch's CPU batch-norm backward (torch 2.13) returns wrong gradients when the
-    incoming gradient is contiguous.
+    (N*C, 1, C, C), as ``view`` gives them. ``x.unsqueeze(-1)`` gives its size-1 dim stride 1
+    instead, with which torch's CUDA batch norm does not take the input for channels_last
+    storage and copies it, and for which torch's CPU batch-norm backward (torch 2.13) returns
+    wrong gradients when the incoming gradient is contiguous.
     """
 
     forward_path = ("forward", "_check_input_dim")  # torch's _BatchNorm.forward and its check
@@ -424,12 +426,11 @@ class _BatchNormRouter(_Router):
 
     def _normalised(self, x: torch.Tensor) -> torch.Tensor:
         layer = self.layer
-        if x.dim() != 3 or x.is_contiguous() or not x.unsqueeze(-1).is_contiguous(
-                memory_format=torch.channels_last):
+        if x.dim() != 3 or not is_channels_last(x):
             layer.last_backend = self.OWN_FORWARD
             return type(layer).forward(layer, x)
         layer.last_backend = self.CHANNELS_LAST
-        nhwc = x.transpose(1, 2).unsqueeze(2).permute(0, 3, 1, 2)  # [B, C, N, 1]
+        nhwc = x.view(*x.shape, 1)  # [B, C, N, 1], strides (N*C, 1, C, C): one view op
         # The [B, C, N] result is no view of the 4-D one for autograd, so fovi's in-place ReLU
         # on it is a plain in-place op: on a view, the backward would rebuild the gradient
         # through the 4-D base (three copies), with a stride of its size-1 dim that differs
@@ -451,13 +452,8 @@ class _BatchNormRouter(_Router):
         batch_statistics = layer.training or (layer.running_mean is None
                                               and layer.running_var is None)
         running = not layer.training or layer.track_running_stats
-        # compiled for replay as CUDA graphs (the graph_replay setting): a training batch
-        # norm of the usual kind (affine, tracking its running statistics) as one opaque op
-        # (knnconv.torch_ops.batch_norm_train_op), cuDNN's kernels at half the GPU time of
-        # inductor's; but its calls cost more host time than inductor's fused kernels, which
-        # a step run call by call pays (bench/NOTES.md 2026-12-03)
-        if (torch.compiler.is_compiling() and context.settings().graph_replay
-                and layer.training and layer.track_running_stats and layer.weight is not None):
+        if (torch.compiler.is_compiling() and layer.training and layer.track_running_stats
+                and layer.weight is not None and _opaque_batch_norm()):
             y, *_, running_mean, running_var = batch_norm_train_op(
                 x, layer.weight, layer.bias, layer.running_mean, layer.running_var, momentum,
                 layer.eps)
@@ -468,6 +464,19 @@ class _BatchNormRouter(_Router):
         return F.batch_norm(x, layer.running_mean if running else None,
                             layer.running_var if running else None, layer.weight, layer.bias,
                             batch_statistics, momentum, layer.eps)
+
+
+def _opaque_batch_norm() -> bool:
+    """Whether a compiled training batch norm of the usual kind (affine, tracking its running
+    statistics) is one opaque op (knnconv.torch_ops.batch_norm_train_op) running cuDNN's
+    kernels: where the step is replayed as a CUDA graph (graph_replay), whose GPU time alone
+    counts and cuDNN's kernels take a fraction of inductor's (a fovi ResNet-18's 20 at
+    B = 2048: 2.5 against 9.1 ms, bench/NOTES.md 2026-12-01). In a step run call by call the
+    op's calls cost more host time than inductor's fused kernels save: a fovi ResNet-18's
+    default-mode step took 17.4 / 27.8 ms with every one opaque against 13.5 / 24.3 with
+    inductor's at B = 512 / 2048 (scripts/compile_batch_norm.py, bench/NOTES.md
+    2026-12-07)."""
+    return context.settings().graph_replay
 
 
 def _routers() -> dict[type, type[_Router]]:

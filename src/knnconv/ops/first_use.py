@@ -97,13 +97,21 @@ class FirstUseChecks:
         with self._lock:
             self._verified.add(key)
 
+    def _check_forward(self, plan, key: tuple, y, x, weight, bias) -> None:
+        """The first-use check of a convolution's forward kernel, judged on the operands it
+        multiplied: the weight rounded to x's dtype, as the backend cast it."""
+        self._check(key, y, lambda *args: self._oracle.forward(plan, *args), x,
+                    weight.to(x.dtype), bias)
+
     def _check_gradients(self, plan, keys: dict, first: set, grads, grad_y, x, weight) -> None:
         """The first-use checks of the gradient kernels named in ``first`` (roles of keys);
-        ``x`` as the backward got it, or a backend's re-layout of it with an ``original()``."""
+        ``x`` as the backward got it, or a backend's re-layout of it with an ``original()``;
+        the weight (for dx) in any float dtype, judged rounded to grad_y's, as the backend cast
+        it."""
         oracle = self._oracle
         if "input" in first:
             self._check(keys["input"], grads[0], lambda g, w: oracle.grad_input(plan, g, w),
-                        grad_y, weight)
+                        grad_y, weight.to(grad_y.dtype))
         if "weight" in first:
             original = x.original() if hasattr(x, "original") else x
             self._check(keys["weight"], grads[1], lambda g, xs: oracle.grad_weight(plan, g, xs),

@@ -150,6 +150,14 @@ def amp_dtype(device: torch.device) -> torch.dtype | None:
     return torch.float16 if device.type == "cuda" else None
 
 
+def script_arguments(argv: list[str], models: str) -> tuple[str, list[str], list[int]]:
+    """(OUT, MODELS, BATCHES) of a whole-model script called ``SCRIPT OUT.json [MODELS
+    [BATCHES]]``: comma-separated, ``models`` and 512,2048 by default."""
+    names = (argv[2] if len(argv) > 2 else models).split(",")
+    batches = [int(b) for b in (argv[3] if len(argv) > 3 else "512,2048").split(",")]
+    return argv[1], names, batches
+
+
 def training_step(model: torch.nn.Module, forward: Callable, x: torch.Tensor,
                   labels: torch.Tensor, device: torch.device, *,
                   graph: bool) -> Callable[[], None]:
@@ -220,6 +228,14 @@ class PathModels:
                 "accelerated+compile": (self.accelerated, self.compiled),
                 "grid": (self.grid, self.grid),
                 "grid+compile": (self.grid, self.grid_compiled)}[path]
+
+    def eager_step(self, path: str, batch: int, device: torch.device) -> Callable[[], None]:
+        """A training step of ``path`` at ``batch`` run call by call (not captured), its
+        module in training mode."""
+        module, forward = self.network(path)
+        module.train()
+        x, labels = self.inputs(path, batch, device)
+        return training_step(module, forward, x, labels, device, graph=False)
 
     def inputs(self, path: str, batch: int,
                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

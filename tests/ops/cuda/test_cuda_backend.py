@@ -391,6 +391,34 @@ def test_autograd_under_autocast_matches_reference_and_keeps_fp32_grads():
     assert rel_err(leaves[2].grad, grad_y.half().double().sum((0, 2))) < GRAD_TOLERANCE
 
 
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("storage", ["channels_last", "contiguous"])
+@pytest.mark.parametrize("wide_weight", [torch.float32, torch.float64], ids=str)
+def test_wide_parameters_under_autocast_train_as_their_casts_do(dtype, storage, wide_weight):
+    """The weight's re-layout casts it (CudaOps.casts_weight; a float64 weight is cast by
+    torch first): y is that of the weight cast beforehand, bit for bit, on the in-place
+    kernels (channels-last x) and the re-laying-out ones (contiguous x), and so are dx and
+    dW up to the order of their float32 atomics; dW comes back in the weight's dtype."""
+    plan, x, weight, bias, grad_y = make_case(6, batch=17, cin=16, cout=24, dtype=dtype,
+                                              nin=60, nout=25, k=9, padding=0.1)
+    if storage == "contiguous":
+        x, grad_y = x.contiguous(), grad_y.contiguous()
+    results = {}
+    for name, w in (("wide under autocast", weight.to(wide_weight)), ("cast", weight)):
+        xi, wi = x.clone().requires_grad_(), w.detach().clone().requires_grad_()
+        with torch.autocast("cuda", dtype=dtype, enabled=w.dtype == wide_weight):
+            y, ran = knnconv.knn_conv_with_backend(xi, wi, bias, plan, backend="cuda")
+        y.backward(grad_y)
+        assert ran == "cuda" and y.dtype == dtype
+        results[name] = (y, xi.grad, wi.grad)
+    (y_wide, dx_wide, dw_wide), (y_cast, dx_cast, dw_cast) = results.values()
+    assert torch.equal(y_wide, y_cast)
+    assert rel_err(dx_wide, dx_cast) < GRAD_TOLERANCE
+    assert dw_wide.dtype == wide_weight
+    # dw_cast is rounded to the compute dtype: compared rounded alike
+    assert rel_err(dw_wide.to(dtype), dw_cast) < FORWARD_TOLERANCE[dtype]
+
 def test_small_network_trains_under_amp_like_reference():
     generator = torch.Generator().manual_seed(7)
     first = random_geometry(generator, nin=200, nout=60, k=9, padding=0.05)

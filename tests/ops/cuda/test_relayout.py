@@ -156,3 +156,33 @@ def test_dx_is_restored_from_its_staging_in_the_storage_asked_for(
     assert dx.transpose(1, 2).is_contiguous() if dx_channels_last else dx.is_contiguous()
     if dx_channels_last and cin > 1:
         assert dx.stride() == (rows, 1, cin)
+
+
+@pytest.mark.parametrize("source_dtype", [torch.float32, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("layout", ["transposed", "by_cell", "by_cell_transposed"])
+@pytest.mark.parametrize("cout,cin,v", [(24, 16, 9), (40, 8, 1), (64, 64, 36), (3, 5, 2)])
+def test_the_weight_is_laid_out_cast_and_padded_from_any_dtype(device, source_dtype, layout,
+                                                               cout, cin, v):
+    """Each weight re-layout writes the documented layout in the compute dtype from a weight
+    of any float dtype, zero past Cout (and Cin), reading the weight along its rows (its
+    innermost source stride is the weight's column stride)."""
+    weight = torch.randn(cout + 1, cin * v).to(source_dtype)[1:]  # not at the storage's start
+    pad, cinpad = cout + 8, cin + 8
+    build, shape, expected = {
+        "transposed": (lambda: relayout.weight_transposed(cout, cin * v, pad, torch.float16, 0),
+                       (cin * v, pad), lambda w: w.t()),
+        "by_cell": (lambda: relayout.weight_by_cell(cout, cin, v, pad, cinpad, torch.float16, 0),
+                    (v, pad, cinpad), lambda w: w.view(cout, cin, v).permute(2, 0, 1)),
+        "by_cell_transposed": (
+            lambda: relayout.weight_by_cell_transposed(cout, cin, v, pad, torch.float16, 0),
+            (v, cin, pad), lambda w: w.view(cout, cin, v).permute(2, 1, 0)),
+    }[layout]
+    weight_layout = build()
+    assert weight_layout.source_strides(*weight.stride())[2] == weight.stride(1)
+    laid_out = torch.full(shape, math.nan, dtype=torch.float16)
+    device.register(weight, laid_out)
+    weight_layout(weight, laid_out.data_ptr())
+    wanted = torch.zeros(shape, dtype=torch.float16)
+    cells = expected(weight.to(torch.float16))
+    wanted[tuple(slice(0, n) for n in cells.shape)] = cells
+    assert torch.equal(laid_out, wanted)

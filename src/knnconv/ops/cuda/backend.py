@@ -21,7 +21,13 @@ from ..registry import (
     is_channels_last,
 )
 from . import channels_last, neighbourhood
-from .build import MIN_COMPUTE_CAPABILITY, cuda_include_dir, import_cupy, nvrtc_mismatch
+from .build import (
+    MIN_COMPUTE_CAPABILITY,
+    SCALAR_TYPES,
+    cuda_include_dir,
+    import_cupy,
+    nvrtc_mismatch,
+)
 from .gemm import COMPUTE_DTYPES, BackwardLaunch, ForwardLaunch
 from .launch import readable
 from .launch_plan import (
@@ -85,6 +91,7 @@ class CudaOps(FirstUseChecks, GradientsFirstOps):
 
     name = "cuda"
     float32_bias = True
+    casts_weight = True  # the weight's re-layout kernel casts it (relayout.WeightLayout)
 
     def __init__(self) -> None:
         super().__init__()
@@ -163,7 +170,7 @@ class CudaOps(FirstUseChecks, GradientsFirstOps):
         first = self._first_use(key)
         y = launch.run(x, weight, bias, self.entries(plan, device), poison_output=first)
         if first:
-            self._check(key, y, lambda *args: self._oracle.forward(plan, *args), x, weight, bias)
+            self._check_forward(plan, key, y, x, weight, bias)
         return y
 
     def forward_saving(self, plan, x, weight, bias):
@@ -186,7 +193,7 @@ class CudaOps(FirstUseChecks, GradientsFirstOps):
         y, saved = launch.run(x, weight, bias, tables.input_linear, tables.weight_linear,
                               poison_output=first)
         if first:
-            self._check(key, y, lambda *args: self._oracle.forward(plan, *args), x, weight, bias)
+            self._check_forward(plan, key, y, x, weight, bias)
         return y, saved
 
     def forward(self, plan, x, weight, bias):
@@ -208,10 +215,19 @@ class CudaOps(FirstUseChecks, GradientsFirstOps):
     def gradients(self, plan, grad_y, x, weight, needs, dtypes, *,
                   dx_channels_last: bool = False):
         """dx_channels_last: dx in channels-last storage (the [B, Cin, Nin] view of a
-        contiguous [B, Nin, Cin] buffer), as a channels-last x is stored."""
+        contiguous [B, Nin, Cin] buffer), as a channels-last x is stored. The kernels write
+        float16, bfloat16 or float32 gradients; a float64 one (a float64 parameter under
+        autocast) is written in float32 and widened by torch."""
+        wanted = tuple(torch.float32 if d is None else d for d in dtypes)
+        written = tuple(d if d in SCALAR_TYPES else torch.float32 for d in wanted)
+        grads = self._gradients(plan, grad_y, x, weight, needs, written, dx_channels_last)
+        if written == wanted:
+            return grads
+        return tuple(None if g is None else g.to(d) for g, d in zip(grads, wanted, strict=True))
+
+    def _gradients(self, plan, grad_y, x, weight, needs, grad_dtypes, dx_channels_last):
         device, batch = grad_y.device, grad_y.shape[0]
         need_input, need_weight, need_bias = needs
-        grad_dtypes = tuple(torch.float32 if d is None else d for d in dtypes)
         path = plan_backward_path(
             cin=plan.cin, cout=plan.cout, need_input=need_input, need_weight=need_weight,
             dx_channels_last=dx_channels_last,

@@ -34,7 +34,7 @@ from .launch import (
     readable,
 )
 from .launch_plan import plan_channels_last_backward, plan_gather
-from .relayout import ReverseTables, weight_by_cell
+from .relayout import ReverseTables, weight_by_cell, weight_by_cell_transposed
 
 
 @dataclass
@@ -99,8 +99,7 @@ class ChannelsLastForward:
                                                                           nout, v, dtype)
         self.cpad = cpad = plan.npad
         self.nodes_per_cta = plan.gemm.nodes_per_cta
-        self.weight_layout = Transpose(dtype, dtype, index, (v, cout, cin), (v, cpad, cin),
-                                       (cin * cpad, cpad))
+        self.weight_layout = weight_by_cell_transposed(cout, cin, v, cpad, dtype, index)
         self.gemm = Gemm(plan.gemm, dtype, index)
         self._kernel_key = (self.family, dtype, self.cfg, device, self.nodes_per_cta > 1,
                             cout % 2 == 0)  # column-pair stores (see ForwardLaunch)
@@ -113,11 +112,8 @@ class ChannelsLastForward:
         """y [B, Cout, Nout], the view of a contiguous [B, Nout, Cout] buffer; x must be
         :func:`readable`."""
         dtype, cin, cout, nout = self.dtype, self.cin, self.cout, self.nout
-        if weight.dtype != dtype:
-            weight = weight.to(dtype)
         cells = torch.empty(self.v * cin * self.cpad, dtype=dtype, device=x.device)
-        self.weight_layout(weight, cells.data_ptr(),
-                           (weight.stride(1), weight.stride(0), self.v * weight.stride(1)))
+        self.weight_layout(weight, cells.data_ptr())
         y = poisoned_or_empty_output((self.batch, cout, nout), dtype, x.device, poison_output)
         bias = bias_as_read(bias, dtype)
         self.gemm(x.data_ptr(), x.stride(0), cin, cells.data_ptr(), self.cpad,
@@ -162,8 +158,7 @@ class ChannelsLastBackward:
         if need_input:
             gather = plan.input.gemm
             self.cinpad, self.nodes_per_cta = plan.input.npad, gather.nodes_per_cta
-            self.weight_layout = weight_by_cell(cout, cin, v, cout, self.cinpad, dtype, dtype,
-                                                index)
+            self.weight_layout = weight_by_cell(cout, cin, v, cout, self.cinpad, dtype, index)
             self.input_gemm = Gemm(gather, dtype, index, out_dtype=grad_dtypes[0])
             self.kernel_keys["input"] = (gather.family, dtype, gather.cfg, device,
                                          self.nodes_per_cta > 1, cin % 2 == 0, grad_dtypes[0])
@@ -195,11 +190,8 @@ class ChannelsLastBackward:
             memset_zero(base + at.zero_from, at.zero_bytes, index)
         dx = dw = db = None
         if self.need_input:
-            if weight.dtype != self.dtype:
-                weight = weight.to(self.dtype)
             cells = base + at.weight
-            s_out, s_in = weight.stride()
-            self.weight_layout(weight, cells, (s_out, v * s_in, s_in))
+            self.weight_layout(weight, cells)
             dx = new((batch, nin, cin), dtype=self.grad_dtypes[0], device=device).transpose(1, 2)
             self.input_gemm(grad_y.data_ptr(), grad_y.stride(0), cout, cells, self.cinpad,
                             reverse.pair_start.data_ptr(), reverse.pair_node.data_ptr(),

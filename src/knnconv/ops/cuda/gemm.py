@@ -67,7 +67,7 @@ class ForwardLaunch:
         self.batch, self.bpad, self.cpad = batch, plan.bpad, plan.cpad
         self.cout, self.nout, self.p64, self.dtype = cout, nout, p64, dtype
         self.y_shape = (batch, cout, nout)
-        self.weight_layout = weight_transposed(cout, q, self.cpad, dtype, dtype, device.index)
+        self.weight_layout = weight_transposed(cout, q, self.cpad, dtype, device.index)
         wt_bytes = q * self.cpad * dtype.itemsize
         self.input_layout = InputLayout(batch, cin, nin, plan.bpad, dtype, dtype,
                                         device.index, spare_bytes=wt_bytes)
@@ -88,9 +88,7 @@ class ForwardLaunch:
         dtype = self.dtype
         saved = self.input_layout(x)
         wt = self.input_layout.spare_address(saved.xt)
-        if weight.dtype != dtype:
-            weight = weight.to(dtype)
-        self.weight_layout(weight, wt, (0, weight.stride(0), weight.stride(1)))
+        self.weight_layout(weight, wt)
         y = poisoned_or_empty_output(self.y_shape, dtype, x.device, poison_output)
         bias = bias_as_read(bias, dtype)
         self.gemm(saved.xt.data_ptr(), wt, input_linear.data_ptr(), weight_linear.data_ptr(),
@@ -156,10 +154,10 @@ class BackwardLaunch:
         if gathered:
             self.cinpad = plan.cinpad
             self.weight_layout = weight_by_cell(cout, cin, q // cin, gpad, self.cinpad, dtype,
-                                                dtype, index)
+                                                index)
             self.input_gemm = Gemm(plan.input, dtype, index, out_dtype=self.staging_dtype)
         elif need_input:
-            self.weight_layout = weight_transposed(cout, q, gpad, dtype, dtype, index)
+            self.weight_layout = weight_transposed(cout, q, gpad, dtype, index)
             self.nodes_per_cta = plan.input.nodes_per_cta
             self.input_gemm = Gemm(plan.input, dtype, index)
         if need_input:
@@ -226,17 +224,13 @@ class BackwardLaunch:
                       out=workspace[at.db:at.db + 4 * self.cout].view(torch.float32))
         dx = dw = db = None
         if self.need_input:
-            if weight.dtype != self.dtype:
-                weight = weight.to(self.dtype)
             w_relaid, staging = base + at.weight, base + at.dx
+            self.weight_layout(weight, w_relaid)
             if self.algorithm == "gather":
-                s_out, s_in = weight.stride()
-                self.weight_layout(weight, w_relaid, (s_out, (self.q // cin) * s_in, s_in))
                 self.input_gemm(gt, w_relaid, reverse.pair_node.data_ptr(),
                                 reverse.pair_cell.data_ptr(), reverse.pair_start.data_ptr(),
                                 staging, batch, bpad, cin, self.cinpad, nin, gpad)
             else:
-                self.weight_layout(weight, w_relaid, (0, weight.stride(0), weight.stride(1)))
                 self.input_gemm(gt, w_relaid, input_linear.data_ptr(), weight_linear.data_ptr(),
                                 staging, batch, bpad, gpad, gpad, self.p64, cin * nin,
                                 input_linear.shape[0], self.nodes_per_cta)

@@ -8,25 +8,69 @@ channels-last x's re-layout also takes a memset of xt's zero row.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from .build import SCALAR_TYPES
 from .launch import Transpose, memset_zero
 from .launch_plan import MAX_GRID_YZ, round_up
 
 
-def weight_transposed(cout: int, q: int, cpad: int, src_dtype, dtype, device_index: int):
+class WeightLayout:
+    """The weight W [Cout, Q] re-laid out by one :class:`~.launch.Transpose` shape into the
+    compute dtype, cast in the same kernel from the dtype it comes in (float32 parameters
+    under autocast): no torch cast before it, and no cast copy for the backward to keep. A
+    Transpose per source dtype, the compute dtype's built (and its extents checked) at once,
+    any other on its first call; a float64 weight, which no kernel reads, is cast by torch
+    first. ``source_strides`` maps W's (row, column) strides to the Transpose's source
+    strides."""
+
+    def __init__(self, dtype: torch.dtype, device_index: int, src_extents, dst_extents,
+                 dst_strides, source_strides: Callable[[int, int], tuple[int, int, int]]):
+        self.dtype, self.source_strides = dtype, source_strides
+        self._shape = (device_index, src_extents, dst_extents, dst_strides)
+        self._by_source = {dtype: Transpose(dtype, dtype, *self._shape)}
+
+    def __call__(self, weight: torch.Tensor, dst: int) -> None:
+        """Lays ``weight`` out at device address ``dst``."""
+        if weight.dtype not in SCALAR_TYPES:
+            weight = weight.to(self.dtype)
+        transpose = self._by_source.get(weight.dtype)
+        if transpose is None:
+            transpose = self._by_source[weight.dtype] = Transpose(weight.dtype, self.dtype,
+                                                                  *self._shape)
+        transpose(weight, dst, self.source_strides(*weight.stride()))
+
+
+def weight_transposed(cout: int, q: int, cpad: int, dtype, device_index: int) -> WeightLayout:
     """W [Cout, Q] -> wt [Q, cpad]: output channels contiguous, zero columns past Cout."""
-    return Transpose(src_dtype, dtype, device_index, (1, cout, q), (1, cpad, q), (0, cpad))
+    return WeightLayout(dtype, device_index, (1, cout, q), (1, cpad, q), (0, cpad),
+                        lambda row, column: (0, row, column))
 
 
-def weight_by_cell(cout: int, cin: int, v: int, gpad: int, cinpad: int, src_dtype, dtype,
-                   device_index: int):
+def weight_by_cell(cout: int, cin: int, v: int, gpad: int, cinpad: int, dtype,
+                   device_index: int) -> WeightLayout:
     """W [Cout, Cin*V] -> wr [V, gpad, cinpad], wr[v, o, c] = W[o, c*V + v], zero past Cout
-    and Cin. Source strides per call: (W.stride(0), V * W.stride(1), W.stride(1))."""
-    return Transpose(src_dtype, dtype, device_index, (cout, cin, v), (gpad, cinpad, v),
-                     (cinpad, gpad * cinpad))
+    and Cin."""
+    return WeightLayout(dtype, device_index, (cout, cin, v), (gpad, cinpad, v),
+                        (cinpad, gpad * cinpad), lambda row, column: (row, v * column, column))
+
+
+def weight_by_cell_transposed(cout: int, cin: int, v: int, cpad: int, dtype,
+                              device_index: int) -> WeightLayout:
+    """W [Cout, Cin*V] -> wc [V, Cin, cpad], wc[v, c, o] = W[o, c*V + v], zero past Cout.
+
+    A CTA layer per input channel c reads the V adjacent columns of c in every row: each
+    source element once, in runs along the rows. (A layer per cell reads elements V apart,
+    every sector of the weight once per cell: V times the weight, which a float32 weight of
+    the large layers, 38 MB at Cin = Cout = 512 and V = 36, no longer serves from the L2
+    cache.) With one cell, W itself is transposed."""
+    if v == 1:
+        return weight_transposed(cout, cin, cpad, dtype, device_index)
+    return WeightLayout(dtype, device_index, (cin, cout, v), (cin, cpad, v), (cpad, cin * cpad),
+                        lambda row, column: (v * column, row, column))
 
 
 def grad_y_transposed(batch: int, cout: int, nout: int, bpad: int, gpad: int, dtype,

@@ -160,9 +160,7 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
                                bias, self.tables(plan, x.device), nout=plan.nout, v=plan.v,
                                tile=tile, poison=first)
         if first:
-            # judged on the operands the kernel multiplied: the weight rounded as it was cast
-            self._check(key, y, lambda *args: self._oracle.forward(plan, *args), x,
-                        weight.to(x.dtype), bias)
+            self._check_forward(plan, key, y, x, weight, bias)
         return y
 
     def gradients(self, plan, grad_y, x, weight, needs, dtypes, *,
@@ -217,8 +215,7 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
         if need_bias:
             grads[2] = grad_y.sum(dim=(0, 2), dtype=torch.float32)
         if first:
-            self._check_gradients(plan, keys, first, grads, grad_y, x,
-                                  None if weight is None else weight.to(grad_y.dtype))
+            self._check_gradients(plan, keys, first, grads, grad_y, x, weight)
         grad_x = None if grads[0] is None else in_storage(grads[0], dx_channels_last)
         grad_w = None if grads[1] is None else grads[1].to(grad_dtypes[1])
         grad_b = None if grads[2] is None else grads[2].to(grad_dtypes[2])
