@@ -114,6 +114,11 @@ stage fovi_families 480 python3 -m knnconv bench --fovi-model resnet18_dwsep,con
 # fovi's path and the grid network of as many pixels
 stage fovi_large 300 python3 -m knnconv bench --fovi-model resnet18,alexnet --in-res 128 \
   --batches 512 --paths fovi,accelerated,grid --out "$out/logs" --name h200_in128
+# the batch norm of a default-mode compiled step: the opaque cuDNN op against inductor's
+stage compile_batch_norm 300 python3 scripts/compile_batch_norm.py \
+  "$out/logs/compile_batch_norm.json" resnet18 512,2048
+# where the host time of an eager step goes, accelerated and grid (cProfile, torch.profiler)
+stage host_profile 150 python3 scripts/profile_fovi_host.py resnet18 128 accelerated,grid
 # what is alive at the peak of a training step on that sensor, fovi's path against knnconv's
 stage fovi_memory 150 python3 scripts/profile_fovi_memory.py resnet18 512 128 fovi,accelerated
 # fovi's models under DistributedDataParallel at every world size the machine has
