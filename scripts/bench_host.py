@@ -123,6 +123,20 @@ STAGES = {
 }
 
 
+def warm_up(call, calls: int = 20) -> None:
+    for _ in range(calls):
+        call()
+    torch.cuda.synchronize()
+
+
+def run_calls(call, calls: int) -> None:
+    """``calls`` calls of ``call``, synchronising every hundred: the GPU queue never fills."""
+    for index in range(calls):
+        call()
+        if index % 100 == 99:
+            torch.cuda.synchronize()
+
+
 def stage_breakdown(call, stages, calls: int = 2000) -> dict[str, dict[str, float]]:
     """{label: {"us_per_call", "count_per_call"}} of each of ``stages`` during ``call``."""
     totals = {label: [0, 0] for *_, label in stages}
@@ -147,15 +161,10 @@ def stage_breakdown(call, stages, calls: int = 2000) -> dict[str, dict[str, floa
         setattr(owner, name, staticmethod(wrapped) if isinstance(original, staticmethod)
                 else wrapped)
     try:
-        for _ in range(20):
-            call()
-        torch.cuda.synchronize()
+        warm_up(call)
         for entry in totals.values():
             entry[:] = [0, 0]
-        for index in range(calls):
-            call()
-            if index % 100 == 99:  # the GPU queue never fills
-                torch.cuda.synchronize()
+        run_calls(call, calls)
     finally:
         for owner, name, original in originals:
             setattr(owner, name, original)
@@ -167,15 +176,10 @@ def function_profile(call, calls: int = 1000, top: int = 40) -> list[dict]:
     """cProfile's ``top`` functions by own time over ``calls`` calls of ``call``: own and
     inclusive microseconds and calls per call (cProfile's overhead inflates the times; the
     counts and the ranking are what it tells)."""
-    for _ in range(20):
-        call()
-    torch.cuda.synchronize()
+    warm_up(call)
     profiler = cProfile.Profile()
     profiler.enable()
-    for index in range(calls):
-        call()
-        if index % 100 == 99:
-            torch.cuda.synchronize()
+    run_calls(call, calls)
     profiler.disable()
     stats = pstats.Stats(profiler).stats
     rows = [{"function": f"{Path(file).name}:{line}({name})", "calls": count / calls,

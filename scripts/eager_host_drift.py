@@ -16,7 +16,7 @@ import sys
 import torch
 
 from knnconv.ops.timing import device_description, time_calls
-from knnconv.tools.fovi_models import PathModels, training_step
+from knnconv.tools.fovi_models import PathModels
 
 WARMUP, REPEATS = 3, 30
 
@@ -27,12 +27,8 @@ def main() -> int:
     batch = int(sys.argv[3]) if len(sys.argv) > 3 else 512
     device = torch.device("cuda")
     models = PathModels(name, 64, device)
-    steps = {}
-    for path in ("accelerated", "grid", "fovi", "accelerated+compile", "grid+compile"):
-        module, forward = models.network(path)
-        module.train()
-        x, labels = models.inputs(path, batch, device)
-        steps[path] = training_step(module, forward, x, labels, device, graph=False)
+    steps = {path: models.eager_step(path, batch, device)
+             for path in ("accelerated", "grid", "fovi", "accelerated+compile", "grid+compile")}
 
     def eager_ms() -> dict[str, float]:
         return {path: time_calls(steps[path], device, warmup=WARMUP, repeats=REPEATS)[0]

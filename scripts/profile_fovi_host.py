@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from knnconv.tools.fovi_models import PATHS, PathModels, training_step
+from knnconv.tools.fovi_models import PATHS, PathModels
 
 STEPS = 20
 
@@ -46,9 +46,7 @@ def main() -> int:
     models = PathModels(name, 64, device)
     steps = {}
     for path in PATHS:
-        module, forward = models.network(path)
-        x, labels = models.inputs(path, batch, device)
-        steps[path] = training_step(module, forward, x, labels, device, graph=False)
+        steps[path] = models.eager_step(path, batch, device)
         for _ in range(3):
             steps[path]()
         print(f"{name} {path} B={batch}: {wall_ms(steps[path]):.2f} ms per eager step")

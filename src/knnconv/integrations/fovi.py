@@ -398,9 +398,8 @@ class _BatchNormRouter(_Router):
 
     The view is taken with the strides torch.channels_last gives a contiguous tensor,
     (N*C, 1, C, C), as ``view`` gives them. ``x.unsqueeze(-1)`` gives its size-1 dim stride 1
-    instead, with which torch's CUDA batch norm does not take the input for channels_last
-    storage and copies it, and for which torch's CPU batch-norm backward (torch 2.13) returns
-    wrong gradients when the incoming gradient is contiguous.
+    instead, and for such an input torch's CPU batch-norm backward (torch 2.13) returns wrong
+    gradients when the incoming gradient is contiguous.
     """
 
     forward_path = ("forward", "_check_input_dim")  # torch's _BatchNorm.forward and its check
@@ -471,7 +470,7 @@ def _opaque_batch_norm() -> bool:
     statistics) is one opaque op (knnconv.torch_ops.batch_norm_train_op) running cuDNN's
     kernels: where the step is replayed as a CUDA graph (graph_replay), whose GPU time alone
     counts and cuDNN's kernels take a fraction of inductor's (a fovi ResNet-18's 20 at
-    B = 2048: 2.5 against 9.1 ms, bench/NOTES.md 2026-12-01). In a step run call by call the
+    B = 2048: 2.5 against 9.1 ms, bench/NOTES.md 2026-12-02). In a step run call by call the
     op's calls cost more host time than inductor's fused kernels save: a fovi ResNet-18's
     default-mode step took 17.4 / 27.8 ms with every one opaque against 13.5 / 24.3 with
     inductor's at B = 512 / 2048 (scripts/compile_batch_norm.py, bench/NOTES.md

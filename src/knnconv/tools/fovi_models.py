@@ -327,11 +327,9 @@ def profile_breakdown(models: PathModels, path: str, batch: int, args: argparse.
                       device: torch.device) -> dict[str, Any]:
     """GPU ms per step and category over a few eager steps of one path at one batch."""
     from torch.profiler import ProfilerActivity, profile
-    module, forward = models.network(path)
-    module.train()
+    module, _ = models.network(path)
     try:
-        x, labels = models.inputs(path, batch, device)
-        step = training_step(module, forward, x, labels, device, graph=False)
+        step = models.eager_step(path, batch, device)
         step()  # compiles, tunes and allocates outside the profile
         torch.cuda.synchronize(device)
         with profile(activities=[ProfilerActivity.CUDA]) as profiler:
