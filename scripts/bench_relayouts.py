@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from knnconv.ops.cuda import relayout
 from knnconv.ops.cuda.launch import Transpose
 from knnconv.tools.bench import graph_replay_ms
 
@@ -53,12 +54,17 @@ def case(name, src, src_strides, src_extents, dst_extents, dst_strides, dst_dtyp
     sums_at = sums.data_ptr() if with_sums else 0
     ms = gpu_ms(lambda: relayout(src, dst.data_ptr(), src_strides, sums_at))
     copy_ms = gpu_ms(torch_copy)
-    moved = src.numel() * src.element_size() + dst.numel() * dst.element_size()
     kernel, tile = relayout.kernel_and_tile(src.data_ptr(), dst.data_ptr(), src_strides)
-    row = {"relayout": name, "kernel": kernel, "tile": list(tile),
+    return row_of(name, kernel, list(tile), src, dst, ms, copy_ms)
+
+
+def row_of(name: str, kernel: str, tile, src, dst, ms: float, copy_ms: float) -> dict:
+    """A result row (printed): the re-layout's time and rate against torch's copy."""
+    moved = src.numel() * src.element_size() + dst.numel() * dst.element_size()
+    row = {"relayout": name, "kernel": kernel, "tile": tile,
            "ms": ms, "torch_copy_ms": copy_ms, "gbps": moved / ms / 1e6,
            "torch_copy_gbps": moved / copy_ms / 1e6, "bytes": moved}
-    print(f"{name:30} {row['kernel']:15} {row['tile']!s:10} {ms * 1e3:8.1f} us "
+    print(f"{name:30} {kernel:15} {tile!s:10} {ms * 1e3:8.1f} us "
           f"{row['gbps']:7.0f} GB/s   torch copy {copy_ms * 1e3:8.1f} us "
           f"{row['torch_copy_gbps']:7.0f} GB/s")
     return row
@@ -98,6 +104,14 @@ def main(out: str) -> None:
     rows.append(case("layer4 weight -> by cell (V 9)", w, (w.stride(0), 9, 1), (512, 256, 9),
                      (512, 256, 9), (256, 512 * 256), half,
                      lambda: w.view(512, 256, 9).permute(2, 0, 1).contiguous()))
+    # layer4.0.conv2's float32 parameter under autocast, V = 36: W [512, 512*36] -> wc
+    # [36, 512, 512] float16, one source read (a layer per input channel, along the rows)
+    w32 = torch.randn(512, 512 * 36, device=DEVICE)
+    by_cell = relayout.weight_by_cell_transposed(512, 512, 36, 512, half, DEVICE.index or 0)
+    wc = torch.empty(36, 512, 512, device=DEVICE, dtype=half)
+    rows.append(row_of("layer4 fp32 weight -> by cell^T (V 36)", "WeightLayout",
+                       None, w32, wc, gpu_ms(lambda: by_cell(w32, wc.data_ptr())),
+                       gpu_ms(lambda: wc.copy_(w32.view(512, 512, 36).permute(2, 1, 0)))))
     with open(out, "w") as handle:
         json.dump({"device": torch.cuda.get_device_name(DEVICE), "batch": B, "rows": rows},
                   handle, indent=1)

@@ -16,7 +16,6 @@ from conftest import random_geometry, rel_err, with_all_padding_node
 from knnconv import KNNConv, KNNDepthwiseConv, KNNDepthwiseSeparableConv, KNNPool, knn_pool
 from knnconv.ops import get_ops
 from knnconv.ops.cuda import neighbourhood
-from knnconv.ops.cuda.relayout import reverse_tables
 from knnconv.ops.registry import MAX_POOL_MODES
 
 pytestmark = pytest.mark.gpu
@@ -106,10 +105,8 @@ def assert_storage(t: torch.Tensor, storage: str) -> None:
 
 def kernel_tables(knn: torch.Tensor, nin: int):
     """(knn int32, scale, reversed graph) on the device, as the pooling kernels read them."""
-    real = (knn != nin).sum(dim=0).clamp_min(1)
-    knn = knn.to(DEVICE)
-    return (knn.to(torch.int32).contiguous(), (1.0 / real.to(torch.float32)).to(DEVICE),
-            reverse_tables(knn, torch.zeros_like(knn).t(), nin))
+    tables = neighbourhood.native_tables(knn.to(DEVICE), None, nin)
+    return tables.knn, tables.scale, tables.reverse
 
 
 def pool_inputs(seed: int, batch: int, channels: int, knn: torch.Tensor, mode: str,
@@ -140,9 +137,11 @@ def reference_pool(x: torch.Tensor, knn: torch.Tensor, nin: int, mode: str) -> t
 
 def reference_pool_results(x: torch.Tensor, grad_y: torch.Tensor, knn: torch.Tensor, nin: int,
                            mode: str):
-    """(y, ties, dx) in float64 on the rounded inputs. A max window holding a NaN gives NaN and
-    sends no gradient, where amax's backward would send NaN: its dx is taken on x with the NaN
-    zeroed and no gradient from the NaN windows, which are the only ones reading the NaN."""
+    """(y, ties, dx) in float64 on the rounded inputs; ties, for max, the choice codes: the
+    slot of a window's only maximum, else CHOICE_TIED plus the count of tied slots (0: no
+    gradient). A max window holding a NaN gives NaN and sends no gradient, where amax's
+    backward would send NaN: its dx is taken on x with the NaN zeroed and no gradient from the
+    NaN windows, which are the only ones reading the NaN."""
     x64 = x.double()
     y64 = reference_pool(x64, knn, nin, mode)
     grad64 = grad_y.double()
@@ -152,7 +151,9 @@ def reference_pool_results(x: torch.Tensor, grad_y: torch.Tensor, knn: torch.Ten
         tied = (x64[:, :, knn.clamp_max(nin - 1)] == y64[:, :, None, :]) & (knn != nin)
         if mode == "max_relu":  # no ties where ReLU's gradient is 0
             tied &= y64[:, :, None, :] > 0
-        ties = tied.sum(dim=2)  # a NaN equals nothing, an all-padding node has no real slot
+        count = tied.sum(dim=2)  # a NaN equals nothing, an all-padding node has no real slot
+        only = tied.long().argmax(dim=2)  # the slot of an only maximum
+        ties = torch.where(count == 1, only, neighbourhood.CHOICE_TIED + count)
     clean = x64.nan_to_num(0.0).requires_grad_()
     reference_pool(clean, knn, nin, mode).backward(grad64)
     return y64, ties, clean.grad
@@ -198,8 +199,9 @@ def test_pool_kernels_match_float64_in_either_storage(storage, dtype, mode, batc
     expected = reference_pool_results(x, grad_y, knn, POOL_NIN, mode)
     y64, ties64, _ = expected
     assert y64.isnan().any() and torch.equal(y64[:, :, -1], torch.zeros(batch, channels).double())
-    if mode in MAX_POOL_MODES:
-        assert (ties64 > 1).any()  # the case is not vacuous: ties share gradients
+    if mode in MAX_POOL_MODES:  # the cases are not vacuous: ties share gradients, slots differ
+        assert (ties64 > neighbourhood.CHOICE_TIED + 1).any()
+        assert (ties64 < neighbourhood.CHOICE_TIED).any() and (ties64 > 0).any()
     results = run_pool_kernels(in_storage(x.to(DEVICE), storage), in_storage(
         grad_y.to(DEVICE), storage), knn, POOL_NIN, mode)
     for output in results:
@@ -304,16 +306,17 @@ def test_pool_of_any_other_strides_takes_the_row_kernels_on_a_copy(mode):
 @pytest.mark.parametrize("storage", STORAGES)
 def test_max_pool_counts_ties_up_to_their_dtype_and_refuses_wider_windows(storage):
     limit = neighbourhood.MAX_TIED_NEIGHBOURS
-    assert limit == 255
+    assert limit == 127
     knn = torch.arange(limit + 1)[:, None]  # one node reading every input, no padding
     x = in_storage(torch.ones(2, 8, limit + 1, dtype=torch.float16, device=DEVICE), storage)
     with pytest.raises(ValueError, match=f"at most K = {limit} neighbours, got K = {limit + 1}"):
         neighbourhood.pool_forward(x, knn.to(DEVICE, torch.int32), limit + 1, "max")
-    # K = 255 equal maxima: the largest count, each input gets 1/255 of the gradient
+    # K = 127 equal maxima: the largest count, each input gets 1/127 of the gradient
     knn = knn[:limit]
     grad_y = in_storage(torch.full((2, 8, 1), 3.0, dtype=torch.float16, device=DEVICE), storage)
     y, ties, dx = run_pool_kernels(x, grad_y, knn, limit + 1, "max")
-    assert torch.equal(y, torch.ones_like(y)) and torch.equal(ties, torch.full_like(ties, limit))
+    assert torch.equal(y, torch.ones_like(y))
+    assert torch.equal(ties, torch.full_like(ties, neighbourhood.CHOICE_TIED + limit))
     share = torch.tensor(3.0, device=DEVICE) / limit  # the kernel's fp32 quotient, then rounded
     expected = torch.full_like(dx, share.item())
     expected[:, :, limit] = 0.0  # read by no node

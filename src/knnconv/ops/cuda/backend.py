@@ -133,8 +133,8 @@ class CudaOps(FirstUseChecks, GradientsFirstOps):
             return (f"has V = {plan.v} kernel cells; its weight gradient holds at most "
                     f"{neighbourhood.MAX_NATIVE_CELLS} in shared memory")
         if plan.v is None and plan.k > neighbourhood.MAX_TIED_NEIGHBOURS:
-            return (f"has K = {plan.k} neighbours; its max counts tied maxima in "
-                    f"{neighbourhood.TIES_DTYPE}, which holds at most "
+            return (f"has K = {plan.k} neighbours; its max records each window's choice of "
+                    f"neighbour in a byte, which serves at most "
                     f"{neighbourhood.MAX_TIED_NEIGHBOURS}")
         if device.type == "cuda" and dtype not in neighbourhood.NATIVE_DTYPES:
             return f"computes in float16/bfloat16/float32, got {dtype}"

@@ -24,9 +24,13 @@ from .relayout import ReverseTables, reverse_tables
 # leaves no tie where ReLU's gradient is 0).
 POOL_MODE_CODES = {"max": 0, "avg": 1, "sum": 2, "max_relu": 3}
 NATIVE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-TIES_DTYPE = torch.uint8  # what pool_forward counts a max's ties in
-# A tie count can reach K: max mode serves windows of at most this many neighbours.
-MAX_TIED_NEIGHBOURS = torch.iinfo(TIES_DTYPE).max
+# What pool_forward records a max window's choice in (its ties tensor): a byte per output,
+# the slot of the only neighbour holding the max, or a flag plus the count of tied slots
+# (choice_code in knn_neighbourhood.cu). Slot and count must fit under the flag: max mode
+# serves windows of at most MAX_TIED_NEIGHBOURS neighbours.
+TIES_DTYPE = torch.uint8
+CHOICE_TIED = 0x80
+MAX_TIED_NEIGHBOURS = 0xFF - CHOICE_TIED
 # knn_depthwise_grad_weight sums a block's contributions per kernel cell in 48 KiB of shared
 # memory (one float per cell).
 MAX_NATIVE_CELLS = 48 * 1024 // 4
@@ -52,7 +56,7 @@ class NativeTables:
 
     knn: torch.Tensor  # int32 [K, Nout]
     cells: torch.Tensor | None  # int32 [K, Nout]: each slot's kernel cell (depthwise)
-    reverse: ReverseTables
+    reverse: ReverseTables  # pooling: each pair's cell is its slot k, what a max's choice names
     scale: torch.Tensor  # float32 [Nout]: 1 / the number of real neighbours (at least 1)
 
 
@@ -60,7 +64,8 @@ def native_tables(knn_indices: torch.Tensor, slot_cells: torch.Tensor | None,
                   nin: int) -> NativeTables:
     """The NativeTables of a neighbour table (int64 [K, Nout]) and a depthwise layer's slot
     cells (int64 [K, Nout], or None for a pooling)."""
-    cells = slot_cells if slot_cells is not None else torch.zeros_like(knn_indices)
+    cells = slot_cells if slot_cells is not None else torch.arange(
+        len(knn_indices), device=knn_indices.device)[:, None].expand_as(knn_indices)
     real = (knn_indices != nin).sum(dim=0).clamp_min(1)
     return NativeTables(
         knn=knn_indices.to(torch.int32).contiguous(),
@@ -105,7 +110,7 @@ def _channels_last_indexable(channels: int, nin: int, nout: int) -> bool:
 
 def pool_forward(x: torch.Tensor, knn: torch.Tensor, nin: int, mode: str):
     """(y [B, C, Nout] in x's dtype, ties [B, C, Nout] TIES_DTYPE in the MAX_POOL_MODES, else
-    None).
+    None): each max window's choice code (TIES_DTYPE's comment).
 
     A channels-last x (the [B, C, Nin] view of a contiguous [B, Nin, C] buffer) takes the
     channels-last kernels, whose y and ties take that storage; any other x the row kernels on
@@ -115,8 +120,8 @@ def pool_forward(x: torch.Tensor, knn: torch.Tensor, nin: int, mode: str):
     batch, channels, _ = x.shape
     k, nout = knn.shape
     if mode in MAX_POOL_MODES and k > MAX_TIED_NEIGHBOURS:
-        raise ValueError(f"max pooling counts tied maxima in {TIES_DTYPE}: it serves at most "
-                         f"K = {MAX_TIED_NEIGHBOURS} neighbours, got K = {k}")
+        raise ValueError(f"max pooling records each window's choice of neighbour in a byte: it "
+                         f"serves at most K = {MAX_TIED_NEIGHBOURS} neighbours, got K = {k}")
     channels_last = is_channels_last(x) and _channels_last_indexable(channels, nin, nout)
     if not channels_last:
         x = x.contiguous()
@@ -143,8 +148,9 @@ def pool_backward(grad_y: torch.Tensor, x: torch.Tensor | None, y: torch.Tensor 
                   ties: torch.Tensor | None, scale: torch.Tensor, reverse: ReverseTables,
                   mode: str, nin: int, *, channels_last: bool | None = None) -> torch.Tensor:
     """dx [B, C, Nin] in grad_y's dtype (the dtype of x). x, y and ties: the MAX_POOL_MODES
-    only, y and ties as pool_forward returned them. scale: float32 [Nout], 1/(real
-    neighbours), read in avg mode.
+    only, y and ties as pool_forward returned them (x and y are read only where a window's
+    maxima tie). scale: float32 [Nout], 1/(real neighbours), read in avg mode. reverse: the
+    reversed graph of native_tables (each pair's slot).
 
     The kernels run in y's storage in the max modes (the one pool_forward chose), else in the one
     ``channels_last`` asks for, by default grad_y's (no x is saved there). Operands in the
@@ -172,13 +178,13 @@ def pool_backward(grad_y: torch.Tensor, x: torch.Tensor | None, y: torch.Tensor 
         _run(name, grad_y.device, nin * (channels // vector), -(-batch // POOL_BATCH),
              (grad_y.data_ptr(), data_pointer(x), data_pointer(y), data_pointer(ties),
               scale.data_ptr(), reverse.pair_start.data_ptr(), reverse.pair_node.data_ptr(),
-              dx.data_ptr(), batch, channels, nin, nout))
+              reverse.pair_cell.data_ptr(), dx.data_ptr(), batch, channels, nin, nout))
     else:
         _run(neighbourhood_name("knn_pool_backward", grad_y.dtype, mode=mode_code),
              grad_y.device, nin, batch * channels,
              (grad_y.data_ptr(), data_pointer(x), data_pointer(y), data_pointer(ties),
               scale.data_ptr(), reverse.pair_start.data_ptr(), reverse.pair_node.data_ptr(),
-              dx.data_ptr(), batch * channels, nin, nout))
+              reverse.pair_cell.data_ptr(), dx.data_ptr(), batch * channels, nin, nout))
     return dx if channels_last is None else in_storage(dx, channels_last)
 
 

@@ -15,7 +15,7 @@
 namespace knnconv {
 
 // kPoolMaxRelu: the max of ReLU(x), which is ReLU of the max: the max, then outputs of at most
-// 0 set to 0 with no ties (ReLU's gradient there is 0), so max's backward serves it.
+// 0 set to 0 with no gradient (ReLU's is 0 there), so max's backward serves it.
 enum PoolMode { kPoolMax = 0, kPoolAvg = 1, kPoolSum = 2, kPoolMaxRelu = 3 };
 
 // The reduction a pooling mode computes (max for kPoolMaxRelu), and whether ReLU follows it.
@@ -60,10 +60,25 @@ __device__ __forceinline__ void store_vector(T* __restrict__ at, const T (&value
   *reinterpret_cast<VectorOf<T, kVector>*>(at) = word;
 }
 
-// One step of a max over a window: best and its tie count, with NaN absorbing. Once best is
-// NaN every comparison is false, so it stays NaN with 0 ties, and the backward, which only
-// sends gradient where ties > 0, gives that window none.
-__device__ __forceinline__ void max_step(float value, float& best, int& ties) {
+// A max window's choice: one byte per output that tells its backward where the gradient
+// goes, so that the backward reads neither x nor y where the max is one neighbour's (it used
+// to compare x with y at every pair, which more than doubled the bytes it moved):
+//   code < kChoiceTied: the only real neighbour slot holding the max;
+//   kChoiceTied: no gradient (no real neighbour, a NaN max, or max_relu's output of at most 0);
+//   kChoiceTied + t, t >= 2: t real neighbour slots tie for the max; the backward finds them
+//   by comparing x with y and sends each gy / t, like torch.amax.
+// The host refuses max windows of K > 127 (t and the slot must fit under the flag).
+constexpr unsigned kChoiceTied = 0x80;
+
+__device__ __forceinline__ unsigned char choice_code(int ties, int slot) {
+  return static_cast<unsigned char>(ties == 1 ? slot : kChoiceTied + ties);
+}
+
+// One step of a max over a window at slot s: best, its tie count and the last slot holding
+// the running max (the only one when ties ends at 1), with NaN absorbing. Once best is NaN
+// every comparison is false, so it stays NaN with 0 ties: no gradient.
+__device__ __forceinline__ void max_step(float value, int s, float& best, int& ties,
+                                         int& slot) {
   if (value > best) {
     best = value;
     ties = 1;
@@ -73,30 +88,29 @@ __device__ __forceinline__ void max_step(float value, float& best, int& ties) {
     best = value;
     ties = 0;
   }
+  if (value == best) slot = s;
 }
 
 // y[r, n] = max / mean / sum of x[r, knn[k, n]] over the real neighbours k of n (0 when there
-// is none; kPoolMaxRelu: see PoolMode); for max also ties[r, n] = how many real neighbours
-// equal the max (0 when the output is NaN or has no real neighbour), so the backward can
-// share the gradient between tied maxima like torch.amax. Ties are uint8: the host refuses
-// max windows of K > 255.
+// is none; kPoolMaxRelu: see PoolMode); for max also choices[r, n], the window's choice code
+// (choice_code).
 template <typename T, int kMode>
 __global__ void knn_pool_forward(const T* __restrict__ x, const int* __restrict__ knn,
-                                 T* __restrict__ y, unsigned char* __restrict__ ties, int rows,
-                                 int nin, int nout, int k) {
+                                 T* __restrict__ y, unsigned char* __restrict__ choices,
+                                 int rows, int nin, int nout, int k) {
   const int n = blockIdx.x * blockDim.x + threadIdx.x;
   if (n >= nout) return;
   for (int r = blockIdx.y; r < rows; r += gridDim.y) {
     const T* row = x + static_cast<size_t>(r) * nin;
     float best = __int_as_float(0xff800000), total = 0.0f;  // -inf
-    int real = 0, equal = 0;
+    int real = 0, equal = 0, slot = 0;
     for (int s = 0; s < k; ++s) {
       const int m = knn[s * nout + n];
       if (m == nin) continue;
       const float v = to_float(row[m]);
       ++real;
       if constexpr (kReduction<kMode> == kPoolMax) {
-        max_step(v, best, equal);
+        max_step(v, s, best, equal, slot);
       } else {
         total += v;
       }
@@ -108,7 +122,7 @@ __global__ void knn_pool_forward(const T* __restrict__ x, const int* __restrict_
         out = 0.0f;
         equal = 0;
       }
-      ties[static_cast<size_t>(r) * nout + n] = static_cast<unsigned char>(equal);
+      choices[static_cast<size_t>(r) * nout + n] = choice_code(equal, slot);
     } else {
       out = kMode == kPoolAvg ? total / static_cast<float>(real > 0 ? real : 1) : total;
     }
@@ -116,14 +130,23 @@ __global__ void knn_pool_forward(const T* __restrict__ x, const int* __restrict_
   }
 }
 
-// dx[r, m] = sum over the nodes n reading m of gy[r, n] * share, share = 1 (sum), 1/count[n]
-// (avg, as scale[n]) or, for max, 1/ties[r, n] when x[r, m] is the max y[r, n] and 0 otherwise.
+// A max's gradient sent to one of its t tied maxima: gy / t. __fdividef is within 2 ulp of
+// float.
+__device__ __forceinline__ float tie_share(float gradient, unsigned t) {
+  return __fdividef(gradient, static_cast<float>(t));
+}
+
+// dx[r, m] = sum over the pairs (n, slot) reading m of gy[r, n] * share, share = 1 (sum),
+// 1/count[n] (avg, as scale[n]) or, for max, what choices[r, n] sends to the slot: 1 where it
+// is the slot, 1/t where t slots tie and x[r, m] is the max y[r, n], 0 otherwise.
 template <typename T, int kMode>
 __global__ void knn_pool_backward(const T* __restrict__ gy, const T* __restrict__ x,
-                                  const T* __restrict__ y, const unsigned char* __restrict__ ties,
+                                  const T* __restrict__ y,
+                                  const unsigned char* __restrict__ choices,
                                   const float* __restrict__ scale,
                                   const int* __restrict__ pair_start,
-                                  const int* __restrict__ pair_node, T* __restrict__ dx,
+                                  const int* __restrict__ pair_node,
+                                  const int* __restrict__ pair_slot, T* __restrict__ dx,
                                   int rows, int nin, int nout) {
   const int m = blockIdx.x * blockDim.x + threadIdx.x;
   if (m >= nin) return;
@@ -134,9 +157,12 @@ __global__ void knn_pool_backward(const T* __restrict__ gy, const T* __restrict_
     for (int j = first; j < last; ++j) {
       const int n = pair_node[j];
       if constexpr (kMode == kPoolMax) {
-        const int tied = ties[out_row + n];
-        if (tied > 0 && to_float(x[static_cast<size_t>(r) * nin + m]) == to_float(y[out_row + n])) {
-          total += to_float(gy[out_row + n]) / static_cast<float>(tied);
+        const unsigned code = choices[out_row + n];
+        if (code == static_cast<unsigned>(pair_slot[j])) {
+          total += to_float(gy[out_row + n]);
+        } else if (code > kChoiceTied &&
+                   to_float(x[static_cast<size_t>(r) * nin + m]) == to_float(y[out_row + n])) {
+          total += tie_share(to_float(gy[out_row + n]), code - kChoiceTied);
         }
       } else if constexpr (kMode == kPoolAvg) {
         total += to_float(gy[out_row + n]) * scale[n];
@@ -187,19 +213,23 @@ __device__ __forceinline__ void load_pairs(const void* at, Pair (&pairs)[kPairs]
   for (int p = 0; p < kPairs; ++p) pairs[p] = packed[p];
 }
 
-// max_step on a packed pair: the tie count is kept in T, exact for the at most 255
-// neighbours the host allows (bfloat16 holds every integer to 256). NaN absorbs as in
-// max_step: a NaN value or best makes the next best NaN, which equals nothing, so ties = 0.
+// max_step on a packed pair at slot s: the tie count is kept in T, exact for the at most 127
+// neighbours the host allows; the slot in each 16-bit half of `slots` (s_pair: s in both
+// halves), set where the value equals the running max, as max_step sets it. NaN absorbs as
+// in max_step: a NaN value or best makes the next best NaN, which equals nothing, so ties = 0.
 template <typename Pair>
-__device__ __forceinline__ void max_step_pair(Pair value, Pair& best, Pair& ties) {
+__device__ __forceinline__ void max_step_pair(Pair value, unsigned s_pair, Pair& best,
+                                              Pair& ties, unsigned& slots) {
   const Pair next = __hmax2_nan(best, value);
+  const unsigned at_max = __heq2_mask(value, next);
   ties = __hfma2(ties, __heq2(best, next), __heq2(value, next));
+  slots = (slots & ~at_max) | (s_pair & at_max);
   best = next;
 }
 
 // One thread's running reduction over a window, for one batch element and kVector channels:
-// start, add each real neighbour's channel run, store y (and ties) with `real` the number of
-// real neighbours (0: y = 0, ties = 0).
+// start, add each real neighbour's channel run (at its slot s), store y (and for max the
+// choice codes) with `real` the number of real neighbours (0: y = 0, no gradient).
 template <typename T, int kMode, int kVector,
           bool kPacked = kMode == kPoolMax && PackedPair<T>::kExists && kVector % 2 == 0>
 struct PoolWindow;
@@ -210,34 +240,38 @@ struct PoolWindow<T, kPoolMax, kVector, true> {
   using Pair = typename PackedPair<T>::type;
   static constexpr int kPairs = kVector / 2;
   Pair best[kPairs], ties[kPairs];
+  unsigned slots[kPairs];
 
   __device__ __forceinline__ void start() {
 #pragma unroll
     for (int p = 0; p < kPairs; ++p) {
       best[p] = pair_of(from_float<T>(__int_as_float(0xff800000)));  // -inf
       ties[p] = pair_of(from_float<T>(0.0f));
+      slots[p] = 0;
     }
   }
-  __device__ __forceinline__ void add(const T* at) {
+  __device__ __forceinline__ void add(const T* at, int s) {
     Pair values[kPairs];
     load_pairs(at, values);
+    const unsigned s_pair = static_cast<unsigned>(s) * 0x10001u;
 #pragma unroll
-    for (int p = 0; p < kPairs; ++p) max_step_pair(values[p], best[p], ties[p]);
+    for (int p = 0; p < kPairs; ++p) max_step_pair(values[p], s_pair, best[p], ties[p], slots[p]);
   }
-  __device__ __forceinline__ void store(T* y_at, unsigned char* ties_at, int real,
+  __device__ __forceinline__ void store(T* y_at, unsigned char* choices_at, int real,
                                         bool relu) const {
     const T* bests = reinterpret_cast<const T*>(best);
     const T* counts = reinterpret_cast<const T*>(ties);
     T pooled[kVector];
-    unsigned char tied[kVector];
+    unsigned char codes[kVector];
 #pragma unroll
     for (int e = 0; e < kVector; ++e) {
       const bool zero = real == 0 || (relu && to_float(bests[e]) <= 0.0f);  // NaN stays
       pooled[e] = zero ? from_float<T>(0.0f) : bests[e];
-      tied[e] = zero ? 0 : static_cast<unsigned char>(to_float(counts[e]));
+      const int slot = (slots[e / 2] >> (16 * (e % 2))) & 0xffff;
+      codes[e] = choice_code(zero ? 0 : static_cast<int>(to_float(counts[e])), slot);
     }
     store_vector(y_at, pooled);
-    store_vector(ties_at, tied);
+    store_vector(choices_at, codes);
   }
 };
 
@@ -245,33 +279,33 @@ struct PoolWindow<T, kPoolMax, kVector, true> {
 template <typename T, int kVector>
 struct PoolWindow<T, kPoolMax, kVector, false> {
   float best[kVector];
-  int ties[kVector];
+  int ties[kVector], slots[kVector];
 
   __device__ __forceinline__ void start() {
 #pragma unroll
     for (int e = 0; e < kVector; ++e) {
       best[e] = __int_as_float(0xff800000);  // -inf
-      ties[e] = 0;
+      ties[e] = slots[e] = 0;
     }
   }
-  __device__ __forceinline__ void add(const T* at) {
+  __device__ __forceinline__ void add(const T* at, int s) {
     T values[kVector];
     load_vector(at, values);
 #pragma unroll
-    for (int e = 0; e < kVector; ++e) max_step(to_float(values[e]), best[e], ties[e]);
+    for (int e = 0; e < kVector; ++e) max_step(to_float(values[e]), s, best[e], ties[e], slots[e]);
   }
-  __device__ __forceinline__ void store(T* y_at, unsigned char* ties_at, int real,
+  __device__ __forceinline__ void store(T* y_at, unsigned char* choices_at, int real,
                                         bool relu) const {
     T pooled[kVector];
-    unsigned char tied[kVector];
+    unsigned char codes[kVector];
 #pragma unroll
     for (int e = 0; e < kVector; ++e) {
       const bool zero = real == 0 || (relu && best[e] <= 0.0f);  // NaN stays
       pooled[e] = from_float<T>(zero ? 0.0f : best[e]);
-      tied[e] = zero ? 0 : static_cast<unsigned char>(ties[e]);
+      codes[e] = choice_code(zero ? 0 : ties[e], slots[e]);
     }
     store_vector(y_at, pooled);
-    store_vector(ties_at, tied);
+    store_vector(choices_at, codes);
   }
 };
 
@@ -284,7 +318,7 @@ struct PoolWindow<T, kMode, kVector, false> {
 #pragma unroll
     for (int e = 0; e < kVector; ++e) total[e] = 0.0f;
   }
-  __device__ __forceinline__ void add(const T* at) {
+  __device__ __forceinline__ void add(const T* at, int) {
     T values[kVector];
     load_vector(at, values);
 #pragma unroll
@@ -299,7 +333,7 @@ struct PoolWindow<T, kMode, kVector, false> {
   }
 };
 
-// The channels-last pooling: y[b, n, c] (and for max ties[b, n, c]) as knn_pool_forward
+// The channels-last pooling: y[b, n, c] (and for max choices[b, n, c]) as knn_pool_forward
 // defines them, on x [B, Nin, C]. One thread per (node n, run of kVector channels), channels
 // fastest, and kBatch batch elements, batch groups over gridDim.y: the threads serving one
 // node read each neighbour's channel run as consecutive vectors of one row of x, so every
@@ -310,7 +344,7 @@ struct PoolWindow<T, kMode, kVector, false> {
 template <typename T, int kMode, int kVector, int kBatch>
 __global__ void knn_pool_forward_channels_last(const T* __restrict__ x,
                                                const int* __restrict__ knn, T* __restrict__ y,
-                                               unsigned char* __restrict__ ties, int batch,
+                                               unsigned char* __restrict__ choices, int batch,
                                                int channels, int nin, int nout, int k) {
   const int runs = channels / kVector;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -333,25 +367,18 @@ __global__ void knn_pool_forward_channels_last(const T* __restrict__ x,
       const int row = m * channels;
 #pragma unroll
       for (int g = 0; g < kBatch; ++g) {
-        if (g < group) windows[g].add(images + g * in_image + row);
+        if (g < group) windows[g].add(images + g * in_image + row, s);
       }
     }
     const size_t out = static_cast<size_t>(b0) * out_image + n * channels + c;
 #pragma unroll
     for (int g = 0; g < kBatch; ++g) {
       if (g < group) {
-        windows[g].store(y + out + g * out_image, ties + out + g * out_image, real,
+        windows[g].store(y + out + g * out_image, choices + out + g * out_image, real,
                          kThenRelu<kMode>);
       }
     }
   }
-}
-
-// A max's gradient sent to one of its tied maxima: gy / ties, none where ties = 0 (a NaN max,
-// or max_relu's output of at most 0). __fdividef is exact for ties = 1 and within 2 ulp of
-// float otherwise.
-__device__ __forceinline__ float tie_share(float gradient, unsigned char ties) {
-  return ties > 0 ? __fdividef(gradient, static_cast<float>(ties)) : 0.0f;
 }
 
 // The float sums of a thread's gradient over kVector channels, stored as dx.
@@ -371,33 +398,35 @@ struct GradientSums {
   }
 };
 
-// One thread's gradient of one batch element's x over kVector channels: start from its own
-// x (for max), add the gradient each output node reading it sends (share: 1, or avg's
-// 1/count), store dx. For max a node sends its gradient, tie_share(), where x is its max and
-// nothing elsewhere.
+// One thread's gradient of one batch element's x over kVector channels: start (for max,
+// where its own x lies), add the gradient each pair (output node, slot) reading it sends
+// (share: 1, or avg's 1/count), store dx. For max what the node's choice codes send to the
+// slot: its gradient where the code is the slot, a tie share where the code counts ties and
+// x is the max (the only case that reads x and y), nothing elsewhere.
 template <typename T, int kMode, int kVector,
           bool kPacked = kMode == kPoolMax && PackedPair<T>::kExists && kVector % 2 == 0>
 struct PoolGradient : GradientSums<T, kVector> {
   using GradientSums<T, kVector>::total;
-  T own[kMode == kPoolMax ? kVector : 1];
+  const T* own = nullptr;
 
   __device__ __forceinline__ void start(const T* x_at) {
-    if constexpr (kMode == kPoolMax) load_vector(x_at, own);
+    own = x_at;
     this->clear();
   }
   __device__ __forceinline__ void add(const T* gy_at, const T* y_at,
-                                      const unsigned char* ties_at, float share) {
+                                      const unsigned char* choices_at, float share, int slot) {
     T grads[kVector];
     load_vector(gy_at, grads);
     if constexpr (kMode == kPoolMax) {
-      T pooled[kVector];
-      unsigned char tied[kVector];
-      load_vector(y_at, pooled);
-      load_vector(ties_at, tied);
+      unsigned char codes[kVector];
+      load_vector(choices_at, codes);
 #pragma unroll
       for (int e = 0; e < kVector; ++e) {
-        if (to_float(own[e]) == to_float(pooled[e])) {
-          total[e] += tie_share(to_float(grads[e]), tied[e]);
+        if (codes[e] == slot) {
+          total[e] += to_float(grads[e]);
+        } else if (codes[e] > kChoiceTied &&
+                   to_float(__ldg(own + e)) == to_float(__ldg(y_at + e))) {
+          total[e] += tie_share(to_float(grads[e]), codes[e] - kChoiceTied);
         }
       }
     } else {
@@ -407,48 +436,82 @@ struct PoolGradient : GradientSums<T, kVector> {
   }
 };
 
-// Max on packed pairs: one compare finds where x is the max of two channels, and the
-// gradient's bits are masked to +0 elsewhere (a product with 0 would turn an infinite or NaN
-// gradient some other input receives into NaN here).
+// kVector choice codes (bytes) as 32-bit words, four codes a word, from an address aligned to
+// their size in one load; a run of two fills the low half of one word.
+template <int kVector>
+__device__ __forceinline__ void load_codes(const unsigned char* at,
+                                           unsigned (&words)[(kVector + 3) / 4]) {
+  if constexpr (kVector >= 4) {
+    const VectorOf<unsigned char, kVector> word =
+        __ldg(reinterpret_cast<const VectorOf<unsigned char, kVector>*>(at));
+    const unsigned* packed = reinterpret_cast<const unsigned*>(&word);
+#pragma unroll
+    for (int w = 0; w < kVector / 4; ++w) words[w] = packed[w];
+  } else {
+    words[0] = __ldg(reinterpret_cast<const VectorOf<unsigned char, kVector>*>(at));
+  }
+}
+
+// Max on packed pairs: four codes are compared with the slot in one instruction, each match
+// widened to a 16-bit mask of its channel's gradient bits, and the gradient masked to +0
+// elsewhere (a product with 0 would turn an infinite or NaN gradient some other input
+// receives into NaN here). Tied codes, rare, take the element-wise path.
 template <typename T, int kVector>
 struct PoolGradient<T, kPoolMax, kVector, true> : GradientSums<T, kVector> {
   using GradientSums<T, kVector>::total;
   using Pair = typename PackedPair<T>::type;
   static constexpr int kPairs = kVector / 2;
-  Pair own[kPairs];
+  static constexpr int kWords = (kVector + 3) / 4;
+  const T* own = nullptr;
 
   __device__ __forceinline__ void start(const T* x_at) {
-    load_pairs(x_at, own);
+    own = x_at;
     this->clear();
   }
   __device__ __forceinline__ void add(const T* gy_at, const T* y_at,
-                                      const unsigned char* ties_at, float) {
-    unsigned int grads[kPairs];
-    Pair pooled[kPairs];
-    unsigned char tied[kVector];
+                                      const unsigned char* choices_at, float, int slot) {
+    unsigned grads[kPairs], words[kWords], matches[kWords];
     load_pairs(gy_at, grads);
-    load_pairs(y_at, pooled);
-    load_vector(ties_at, tied);
+    load_codes<kVector>(choices_at, words);
+    const unsigned slot4 = static_cast<unsigned>(slot) * 0x01010101u;
+    unsigned tied = 0;
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) {
+      matches[w] = __vcmpeq4(words[w], slot4);
+      tied |= __vcmpgtu4(words[w], kChoiceTied * 0x01010101u);
+    }
 #pragma unroll
     for (int p = 0; p < kPairs; ++p) {
-      const unsigned int bits = grads[p] & __heq2_mask(own[p], pooled[p]);
+      const unsigned mask = __byte_perm(matches[p / 2], 0, p % 2 ? 0x3322 : 0x1100);
+      const unsigned bits = grads[p] & mask;
       const float2 sent = to_float2(*reinterpret_cast<const Pair*>(&bits));
-      total[2 * p] += tie_share(sent.x, tied[2 * p]);
-      total[2 * p + 1] += tie_share(sent.y, tied[2 * p + 1]);
+      total[2 * p] += sent.x;
+      total[2 * p + 1] += sent.y;
+    }
+    if (tied) {
+      const unsigned char* codes = reinterpret_cast<const unsigned char*>(words);
+      const T* gradients = reinterpret_cast<const T*>(grads);
+#pragma unroll
+      for (int e = 0; e < kVector; ++e) {
+        if (codes[e] > kChoiceTied && to_float(__ldg(own + e)) == to_float(__ldg(y_at + e))) {
+          total[e] += tie_share(to_float(gradients[e]), codes[e] - kChoiceTied);
+        }
+      }
     }
   }
 };
 
 // The channels-last gradient: dx[b, m, c] as knn_pool_backward defines it, with gy, y and
-// ties [B, Nout, C], x and dx [B, Nin, C]. One thread per (input node m, run of kVector
+// choices [B, Nout, C], x and dx [B, Nin, C]. One thread per (input node m, run of kVector
 // channels), channels fastest, and kBatch batch elements: each pair reading m is one
-// coalesced vector read of gy (and of y and ties for max) per run and batch element.
+// coalesced vector read of gy (and of the choice codes for max) per run and batch element.
 template <typename T, int kMode, int kVector, int kBatch>
 __global__ void knn_pool_backward_channels_last(
     const T* __restrict__ gy, const T* __restrict__ x, const T* __restrict__ y,
-    const unsigned char* __restrict__ ties, const float* __restrict__ scale,
-    const int* __restrict__ pair_start, const int* __restrict__ pair_node, T* __restrict__ dx,
-    int batch, int channels, int nin, int nout) {
+    const unsigned char* __restrict__ choices, const float* __restrict__ scale,
+    const int* __restrict__ pair_start, const int* __restrict__ pair_node,
+    const int* __restrict__ pair_slot, T* __restrict__ dx, int batch, int channels, int nin,
+    int nout) {
   const int runs = channels / kVector;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= nin * runs) return;  // the host keeps Nin * C within an int
@@ -469,11 +532,12 @@ __global__ void knn_pool_backward_channels_last(
     for (int j = first; j < last; ++j) {
       const int n = pair_node[j];
       const float share = kMode == kPoolAvg ? scale[n] : 1.0f;
+      const int slot = kMode == kPoolMax ? pair_slot[j] : 0;
       const int row = n * channels;
 #pragma unroll
       for (int g = 0; g < kBatch; ++g) {
         const size_t at = outs + g * out_image + row;
-        if (g < group) gradients[g].add(gy + at, y + at, ties + at, share);
+        if (g < group) gradients[g].add(gy + at, y + at, choices + at, share, slot);
       }
     }
 #pragma unroll
