@@ -4,6 +4,8 @@ the bytes the pool must move (forward: x read, y written; backward: grad_y read,
 at the device-copy bandwidth measured in the same run. Each is timed as a user calls it
 (``forward_ms``, host time included) and as GPU time (``forward_gpu_ms``: CALLS calls
 captured as one CUDA graph, a replay's median over CALLS), which is what the floor bounds.
+The backward's GPU time is a captured forward and backward's less the forward's (a backward
+captured alone would wait on the stream its forward ran on, outside the capture).
 
     python scripts/bench_fovi_pools.py OUT.json [--models resnet18,alexnet]
         [--batches 512,2048] [--pool-batches 1]
@@ -85,7 +87,8 @@ def time_pool(layer: dict, batch: int, device: torch.device) -> dict[str, float]
         return torch.autograd.grad(y, x, grad_y, retain_graph=True)
 
     times["backward_ms"] = time_calls(backward, device, warmup=WARMUP, repeats=REPEATS)[0]
-    times["backward_gpu_ms"] = gpu_ms(backward, device)
+    times["backward_gpu_ms"] = gpu_ms(lambda: torch.autograd.grad(pool(x), x, grad_y),
+                                      device) - times["forward_gpu_ms"]
     return times
 
 
