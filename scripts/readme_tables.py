@@ -270,7 +270,8 @@ def neighbourhood() -> str:
     ratios = [times[("torch_compact", *key[1:])] / value for key, value in times.items()
               if key[0] == "cuda"]
     # the rows at the batch elements per thread the kernels take (the file sweeps them)
-    pools = [r for r in load("h200_fovi_pools.json")["rows"]
+    pools_file = "h100_fovi_pools_choices.json"  # the kernels as they are: their latest run
+    pools = [r for r in load(pools_file)["rows"]
              if r["mode"] == "max" and r["pool_batch"] == POOL_BATCH]
 
     def floor_range(direction: str) -> str:
@@ -280,9 +281,9 @@ def neighbourhood() -> str:
     return wrap([f"KNN pooling and depthwise layers on the native kernels run "
                  f"{min(ratios):.1f}-{max(ratios):.1f}x faster than the same layers in torch "
                  "ops (`bench/results/h200_neighbourhood.json`). On fovi's max pooling layers "
-                 "(fp16, channels-last, B = 512 and 2048) the forward moves its bytes at "
-                 f"{floor_range('forward')} of the copy bandwidth, the backward at "
-                 f"{floor_range('backward')} (`bench/results/h200_fovi_pools.json`)."])
+                 "(fp16, channels-last, B = 512 and 2048, one H100) the forward moves its "
+                 f"bytes at {floor_range('forward')} of the copy bandwidth, the backward at "
+                 f"{floor_range('backward')} (`bench/results/{pools_file}`)."])
 
 
 def wrap(lines: list[str], width: int = 92) -> str:

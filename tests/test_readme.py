@@ -151,7 +151,8 @@ def test_the_generated_figures_follow_the_files(tmp_path, monkeypatch):
         if row["backend"] == "cuda":
             row["median_ms"] /= 2
     (tmp_path / "h200_neighbourhood.json").write_text(json.dumps(result))
-    (tmp_path / "h200_fovi_pools.json").write_text((RESULTS / "h200_fovi_pools.json").read_text())
+    pools = "h100_fovi_pools_choices.json"
+    (tmp_path / pools).write_text((RESULTS / pools).read_text())
     monkeypatch.setattr(readme_tables, "RESULTS", tmp_path)
     assert readme_tables.neighbourhood() != before
 
