@@ -6,8 +6,9 @@
 // the transposed view of a [B, N, C] buffer, as knnconv's convolution returns it.
 // knn [K, Nout] int32 (Nin marks a padding neighbour); cells [K, Nout] int32, the kernel cell
 // of each slot; the reversed graph (pair_start [Nin + 1], pair_node / pair_cell [pairs]) lists
-// the real (output node, cell) pairs that read each input node, so every gradient with
-// respect to x is a gather: atomic-free and deterministic. Rows (or, channels-last, batch
+// the real (output node, cell) pairs that read each input node (a pooling's "cell" is the
+// slot itself, which a max's choice code names), so every gradient with respect to x is a
+// gather: atomic-free and deterministic. Rows (or, channels-last, batch
 // elements) are walked with a grid-stride loop over gridDim.y (B*C may exceed its 65535
 // limit); accumulation is in fp32.
 #include "knn_common.cuh"
