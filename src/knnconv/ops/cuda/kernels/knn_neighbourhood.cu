@@ -131,10 +131,15 @@ __global__ void knn_pool_forward(const T* __restrict__ x, const int* __restrict_
   }
 }
 
-// A max's gradient sent to one of its t tied maxima: gy / t. __fdividef is within 2 ulp of
-// float.
-__device__ __forceinline__ float tie_share(float gradient, unsigned t) {
-  return __fdividef(gradient, static_cast<float>(t));
+// What a window whose maxima tie (code = kChoiceTied + t, code > kChoiceTied) sends the input
+// read at one of its slots: gy / t where that input, *own, is the max, *pooled, else 0. The
+// only place a max's backward reads x and y. __fdividef is within 2 ulp of float.
+template <typename T>
+__device__ __forceinline__ float tied_share(unsigned code, float gradient, const T* own,
+                                            const T* pooled) {
+  return to_float(__ldg(own)) == to_float(__ldg(pooled))
+             ? __fdividef(gradient, static_cast<float>(code - kChoiceTied))
+             : 0.0f;
 }
 
 // dx[r, m] = sum over the pairs (n, slot) reading m of gy[r, n] * share, share = 1 (sum),
@@ -161,9 +166,9 @@ __global__ void knn_pool_backward(const T* __restrict__ gy, const T* __restrict_
         const unsigned code = choices[out_row + n];
         if (code == static_cast<unsigned>(pair_slot[j])) {
           total += to_float(gy[out_row + n]);
-        } else if (code > kChoiceTied &&
-                   to_float(x[static_cast<size_t>(r) * nin + m]) == to_float(y[out_row + n])) {
-          total += tie_share(to_float(gy[out_row + n]), code - kChoiceTied);
+        } else if (code > kChoiceTied) {
+          total += tied_share(code, to_float(gy[out_row + n]),
+                              x + static_cast<size_t>(r) * nin + m, y + out_row + n);
         }
       } else if constexpr (kMode == kPoolAvg) {
         total += to_float(gy[out_row + n]) * scale[n];
@@ -425,9 +430,8 @@ struct PoolGradient : GradientSums<T, kVector> {
       for (int e = 0; e < kVector; ++e) {
         if (codes[e] == slot) {
           total[e] += to_float(grads[e]);
-        } else if (codes[e] > kChoiceTied &&
-                   to_float(__ldg(own + e)) == to_float(__ldg(y_at + e))) {
-          total[e] += tie_share(to_float(grads[e]), codes[e] - kChoiceTied);
+        } else if (codes[e] > kChoiceTied) {
+          total[e] += tied_share(codes[e], to_float(grads[e]), own + e, y_at + e);
         }
       }
     } else {
@@ -494,8 +498,8 @@ struct PoolGradient<T, kPoolMax, kVector, true> : GradientSums<T, kVector> {
       const T* gradients = reinterpret_cast<const T*>(grads);
 #pragma unroll
       for (int e = 0; e < kVector; ++e) {
-        if (codes[e] > kChoiceTied && to_float(__ldg(own + e)) == to_float(__ldg(y_at + e))) {
-          total[e] += tie_share(to_float(gradients[e]), codes[e] - kChoiceTied);
+        if (codes[e] > kChoiceTied) {
+          total[e] += tied_share(codes[e], to_float(gradients[e]), own + e, y_at + e);
         }
       }
     }
