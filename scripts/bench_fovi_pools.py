@@ -118,8 +118,8 @@ def main() -> int:
             if device.type == "cuda":
                 neighbourhood.POOL_BATCH = pool_batch
                 row.update(time_pool(layer, batch, device))
-                for time in ("forward", "forward_gpu", "backward"):
-                    row[f"{time}_pct_of_floor"] = 100 * row["floor_ms"] / row[f"{time}_ms"]
+                for timing in ("forward", "forward_gpu", "backward"):
+                    row[f"{timing}_pct_of_floor"] = 100 * row["floor_ms"] / row[f"{timing}_ms"]
             rows.append(row)
             timed = (f"forward {row['forward_ms']:.3f} ms ({row['forward_pct_of_floor']:.0f}%), "
                      f"GPU {row['forward_gpu_ms']:.3f} ({row['forward_gpu_pct_of_floor']:.0f}%), "
