@@ -4,6 +4,10 @@
 
 KNNCONV_TUNE_FAMILIES (comma-separated, default all) names the families tuned; a layer of
 few input channels (a stem) tunes the few-channel families, any other the gather-GEMMs.
+KNNCONV_TUNE_L2_FRACTIONS, KNNCONV_TUNE_PROGRAMS_PER_SM and KNNCONV_TUNE_CHAIN_LINKS
+(comma-separated) replace grad_weight's window sizes, its programs per SM
+(launch.PROGRAMS_PER_SM: how many windows are added where the GPU would not fill) and its
+longest chain of windows per sum (launch.CHAIN_LINKS).
 
 Each (layer, batch) times the forward, dx and dW launches (knnconv.ops.triton.launch, the
 weight's re-layout included: the same for every tile) for every candidate tile of their
@@ -57,6 +61,11 @@ STEM_FAMILIES = ("stem_forward", "stem_grad_weight", "stem_grad_input")
 WINDOW_L2_FRACTIONS = (0, 3, 5, 8, 12)
 
 
+def _integers(variable: str, default: tuple[int, ...]) -> tuple[int, ...]:
+    value = os.environ.get(variable)
+    return default if not value else tuple(int(part) for part in value.split(","))
+
+
 def fitted(family: str, plan, batch: int, raw: tuple) -> configs.TileConfig | None:
     """A candidate fitted to the layer as the rules' tiles are (configs.fit), or None where
     its contraction chunk does not divide the contracted channels."""
@@ -72,7 +81,8 @@ def fitted(family: str, plan, batch: int, raw: tuple) -> configs.TileConfig | No
     return None if contracted % tile.block_k else configs.fit(tile, n, contracted, None)
 
 
-def launcher(family: str, plan, batch: int, tile, operands, l2_fraction: int):
+def launcher(family: str, plan, batch: int, tile, operands, l2_fraction: int,
+             programs_per_sm: int, chain_links: int):
     x, weight, grad_y, tables = operands
     if family == "stem_forward":
         return lambda: launch.stem_forward(x, weight, None, tables, nin=plan.nin,
@@ -94,7 +104,8 @@ def launcher(family: str, plan, batch: int, tile, operands, l2_fraction: int):
         tile, batch=batch, cin=plan.cin, cout=plan.cout, nin=plan.nin, nout=plan.nout,
         v=plan.v, entries=plan.entry_count, processors=properties.multi_processor_count,
         l2_bytes=properties.L2_cache_size if l2_fraction else None,
-        l2_fraction=l2_fraction or launch.WINDOW_L2_FRACTION)
+        l2_fraction=l2_fraction or launch.WINDOW_L2_FRACTION, programs_per_sm=programs_per_sm,
+        chain_links=chain_links)
     starts = get_ops("triton").share_starts(plan, DEVICE, windows.shares)
     return lambda: launch.grad_weight(grad_y, x, tables, starts, v=plan.v, tile=tile,
                                       windows=windows)
@@ -127,21 +138,31 @@ def tune_cell(layer, batch: int, families: list[str]) -> list[dict]:
                   "stem_grad_input": lambda: launch.stem_grad_input_tile(batch, plan.cout),
                   }[family]()
         tiles = {chosen} | {t for raw in space if (t := fitted(family, plan, batch, raw))}
-        spreads = (WINDOW_L2_FRACTIONS if family == "grad_weight"
-                   else (launch.WINDOW_L2_FRACTION,))
+        # (L2 fraction, programs per SM, chain links) of each timing; the rules' own always
+        # among them
+        shipped = (launch.WINDOW_L2_FRACTION, launch.PROGRAMS_PER_SM, launch.CHAIN_LINKS)
+        spreads = [shipped]
+        if family == "grad_weight":
+            spreads = sorted(set(spreads) | {
+                (fraction, programs, links)
+                for fraction in _integers("KNNCONV_TUNE_L2_FRACTIONS", WINDOW_L2_FRACTIONS)
+                for programs in _integers("KNNCONV_TUNE_PROGRAMS_PER_SM",
+                                          (launch.PROGRAMS_PER_SM,))
+                for links in _integers("KNNCONV_TUNE_CHAIN_LINKS", (launch.CHAIN_LINKS,))})
         for tile in sorted(tiles, key=str):
-            for l2_fraction in spreads:
+            for l2_fraction, programs_per_sm, chain_links in spreads:
                 try:
                     ms = graph_replay_ms(launcher(family, plan, batch, tile, operands,
-                                                  l2_fraction),
+                                                  l2_fraction, programs_per_sm, chain_links),
                                          DEVICE, warmup=2, repeats=15)[0]
                 except Exception as exc:  # a tile the compiler rejects (shared memory)
                     print(f"  {family} {tile}: {type(exc).__name__}: {str(exc)[:120]}")
                     break
                 rows.append({"layer": layer.name, "batch": batch, "family": family,
                              "tile": tile.__dict__, "l2_fraction": l2_fraction,
-                             "chosen": (tile == chosen
-                                        and l2_fraction == launch.WINDOW_L2_FRACTION),
+                             "programs_per_sm": programs_per_sm, "chain_links": chain_links,
+                             "chosen": (tile == chosen and (l2_fraction, programs_per_sm,
+                                                            chain_links) == shipped),
                              "ms": ms, "tflops": flop / ms / 1e9})
         timed = [r for r in rows if r["family"] == family]
         best = min(timed, key=lambda r: r["ms"])
@@ -149,7 +170,9 @@ def tune_cell(layer, batch: int, families: list[str]) -> list[dict]:
         print(f"{layer.name[-40:]:40} B={batch:5} {family:11} rule {current['ms']:.3f} ms "
               f"({current['tflops']:.0f} TFLOP/s)  best {best['ms']:.3f} ms "
               f"({best['tflops']:.0f} TFLOP/s) {best['tile']} "
-              f"L2 fraction {best['l2_fraction']}", flush=True)
+              f"L2 fraction {best['l2_fraction']}, {best['programs_per_sm']} programs per SM, "
+              f"chains of {best['chain_links']}",
+              flush=True)
     return rows
 
 

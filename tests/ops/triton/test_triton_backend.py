@@ -69,10 +69,11 @@ def test_every_output_against_float64_with_poisoned_outputs(name):
     dx = launch.grad_input(gyh, wh, tables, nin=plan.nin, v=plan.v,
                            tile=launch.grad_input_tile(batch, cin, cout, plan.nin),
                            dtype=torch.float16, poison=True)
-    # three node shares by two batch-chunk groups: every window's turn is walked
+    # three node shares by two batch-chunk groups into two sums: every window's turn is
+    # walked, and the sums are added
     dw = launch.grad_weight(gyh, xh, tables, get_ops("triton").share_starts(plan, CPU, 3),
                             v=plan.v, tile=configs.TileConfig(16, 16, 16, 4, 2),
-                            windows=launch.Windows(3, 2), poison=True)
+                            windows=launch.Windows(3, 2, 2), poison=True)
 
     x64, w64, b64 = (t.half().double().requires_grad_() for t in (x, w, b))
     y64 = oracle_knn_conv(x64, w64, b64, geometry)
@@ -149,9 +150,10 @@ def test_the_weight_gradient_is_the_same_however_the_pairs_are_windowed():
     tables = ops.tables(plan, CPU)
     tile = configs.TileConfig(16, 16, 16, 4, 2)
     results = [launch.grad_weight(gyh, xh, tables, ops.share_starts(plan, CPU, shares),
-                                  v=plan.v, tile=tile, windows=launch.Windows(shares, groups),
-                                  poison=True)
-               for shares, groups in ((1, 1), (2, 1), (1, 3), (5, 2), (9, 3))]
+                                  v=plan.v, tile=tile,
+                                  windows=launch.Windows(shares, groups, sums), poison=True)
+               for shares, groups, sums in ((1, 1, 1), (2, 1, 1), (1, 3, 2), (5, 2, 1),
+                                            (5, 2, 3), (9, 3, 27))]
     for other in results[1:]:
         assert rel_err(other, results[0]) < 1e-6
 
@@ -248,8 +250,9 @@ def test_windows_keep_their_rows_within_the_l2_share_and_fill_the_processors():
                  processors=132)
     # a 128-row chunk of every row is 128 * 2 * 1469 * 384 bytes = 144.4 MB: 23 shares keep a
     # window within a fifth of 30 MiB (6.29 MB), one chunk a window
+    # 368 windows would want 23 sums of chains of 16, but 32 MiB hold two of 12.5 MiB
     windows = launch.grad_weight_windows(tile, **sizes, l2_bytes=30 * 2**20)
-    assert windows == launch.Windows(23, 16)
+    assert windows == launch.Windows(23, 16, 2)
     chunk_bytes = 128 * 2 * 1469 * (256 + 128)
     assert chunk_bytes / windows.shares <= 30 * 2**20 / launch.WINDOW_L2_FRACTION
     # a larger L2 takes fewer shares; without one, windows only fill the GPU
@@ -257,10 +260,11 @@ def test_windows_keep_their_rows_within_the_l2_share_and_fill_the_processors():
     assert launch.grad_weight_windows(tile, **sizes, l2_bytes=None) == launch.Windows(1, 11)
     small = configs.TileConfig(64, 64, 64, 4, 3)
     # 9 cells of one tile want 118 windows (8 programs per SM), 1000 pairs of one chunk give
-    # windows of at least 16 steps: 62
     few = dict(batch=64, cin=64, cout=64, nin=900, nout=1000, v=9, entries=9 * 1000,
                processors=132, l2_bytes=None)
-    assert launch.grad_weight_windows(small, **few) == launch.Windows(62, 1)
+    # windows of at least 16 steps: 62, in four sums (chains of at most 16 windows)
+    assert launch.grad_weight_windows(small, **few) == launch.Windows(62, 1, 4)
+    assert launch.grad_weight_windows(small, **few, chain_links=64).sums == 1
     # 16 pairs a cell over 2 batch chunks: 32 steps, two windows of 16
     assert launch.grad_weight_windows(small, **{**few, "batch": 128, "entries": 9 * 16}
                                       ).count == 2

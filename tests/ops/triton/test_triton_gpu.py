@@ -122,13 +122,15 @@ def test_weight_gradients_are_bit_identical_from_run_to_run():
     xg, gyg = channels_last(x.to(DEVICE)), channels_last(gy.to(DEVICE))
     tables = get_ops("triton").tables(plan, DEVICE)
     tile = launch.grad_weight_tile(512, 64, 64)
-    # many windows (8 shares by 4 batch-chunk groups): the turns order every tile's adds
+    # many windows (8 shares by 4 batch-chunk groups), in one sum and in three: the turns
+    # order every tile's adds
     starts = get_ops("triton").share_starts(plan, DEVICE, 8)
-    runs = [launch.grad_weight(gyg, xg, tables, starts, v=plan.v, tile=tile,
-                               windows=launch.Windows(8, 4))
-            for _ in range(5)]
-    for other in runs[1:]:
-        assert torch.equal(other, runs[0])
+    for sums in (1, 3):
+        runs = [launch.grad_weight(gyg, xg, tables, starts, v=plan.v, tile=tile,
+                                   windows=launch.Windows(8, 4, sums))
+                for _ in range(5)]
+        for other in runs[1:]:
+            assert torch.equal(other, runs[0])
 
 
 @pytest.mark.parametrize("cin", [32, 3], ids=["cin32", "stem_cin3_padded"])

@@ -17,8 +17,10 @@ here is two tensor-descriptor loads (TMA on Hopper, zero-filled out of bounds) a
   window is a share of the output nodes by a group of batch chunks, and a program owns one
   window of one cell's tile. The programs of one window, one per cell, are launched together
   and read the same rows, so x and grad_y come from L2 once a window instead of once per pair
-  from DRAM. Each tile's windows add their sums in window order (a program waits for the
-  previous window's turn), so dW is the same from run to run.
+  from DRAM. Each tile's windows add into a few float32 sums, window w into sum w % sums,
+  each sum's windows in window order (a program waits for the previous one's turn), and the
+  sums are added in a fixed order, so dW is the same from run to run. Several sums keep each
+  tile's chain of turns short where a layer has many short windows.
 
 Entry tables hold element offsets (m*Cin, v*Cin, ...) so a step's box coordinates are loads,
 not products. Accumulation is float32 in every kernel; outputs are stored through masked
@@ -97,7 +99,7 @@ def cell_split_steps(start_ptr, cells, splits, batch_chunks):
 @triton.jit
 def knn_conv_grad_weight_kernel(x_desc, gy_desc, grad_ptr, turn_ptr, share_start_ptr,
                                 pair_x_ptr, pair_gy_ptr, cin, cout, cells, shares, groups,
-                                batch_chunks,
+                                batch_chunks, sums,
                                 BM: tl.constexpr, BN: tl.constexpr, BB: tl.constexpr):
     # program id (window * cells + cell) * tiles + tile: the programs of one window are
     # consecutive, so they run together; window = group * shares + share
@@ -124,20 +126,23 @@ def knn_conv_grad_weight_kernel(x_desc, gy_desc, grad_ptr, turn_ptr, share_start
         a = x_desc.load([b0, tl.load(pair_x_ptr + pair) + c0])
         g = gy_desc.load([b0, tl.load(pair_gy_ptr + pair) + o0])
         acc = tl.dot(tl.trans(a), g, acc)
+    # window w adds into sum w % sums, the link w // sums of that sum's chain
+    total = window % sums
+    link = window // sums
     rows = c0 + tl.arange(0, BM)
     cols = o0 + tl.arange(0, BN)
-    out = grad_ptr + (cell * cin + rows[:, None]) * cout + cols[None, :]
+    out = grad_ptr + ((total * cells + cell) * cin + rows[:, None]) * cout + cols[None, :]
     inside = (rows[:, None] < cin) & (cols[None, :] < cout)
-    # the tile's turn counter says how many windows have added their sums: window w waits
-    # for w (programs start in id order, so the one it waits for has started), then adds
-    turn = turn_ptr + cell * tiles + tile
-    if window == 0:
+    # the tile's turn counter in the sum says how many links have added: link l waits for
+    # l (programs start in id order, so the window it waits for has started), then adds
+    turn = turn_ptr + (total * cells + cell) * tiles + tile
+    if link == 0:
         tl.store(out, acc, mask=inside)
     else:
-        while tl.atomic_add(turn, 0, sem="acquire") < window:
+        while tl.atomic_add(turn, 0, sem="acquire") < link:
             pass
         if pairs * chunks > 0:
-            # alone on the tile while it holds the turn: the adds land in window order
+            # alone on the tile while it holds the turn: the adds land in link order
             tl.atomic_add(out, acc, mask=inside, sem="relaxed")
     tl.debug_barrier()  # every thread's sum has landed before the turn passes on
-    tl.atomic_xchg(turn, window + 1, sem="release")
+    tl.atomic_xchg(turn, link + 1, sem="release")

@@ -56,6 +56,12 @@ MIN_STEPS_PER_SPLIT = 16
 # take at most this fraction of the L2 cache, so that the rows the programs of all cells read
 # at once stay there (bench/NOTES.md, 2026-12-05)
 WINDOW_L2_FRACTION = 5
+# Each dW tile's windows add into float32 sums, one chain of turns per sum: as many sums as
+# keep every chain within CHAIN_LINKS windows, in at most SUMS_BYTES of sums. A link (waiting
+# for the turn, adding the tile, passing the turn on) costs microseconds, which layers of many
+# short windows (few nodes, few cells) would otherwise pay once per window
+CHAIN_LINKS = 16
+SUMS_BYTES = 32 * 2**20
 # the few-channel kernels' sums (dW per cell, dx per input node) load this many table
 # entries per step
 SUM_ENTRIES = 32
@@ -158,10 +164,11 @@ def stem_grad_input_tile(batch: int, cout: int) -> TileConfig:
 class Windows:
     """How the convolution's dW walks each cell's pairs: the output nodes in ``shares``
     equal shares, the batch chunks in ``groups`` equal groups; window w is share w % shares of
-    group w // shares."""
+    group w // shares, and adds into float32 sum w % ``sums``."""
 
     shares: int
     groups: int
+    sums: int = 1
 
     @property
     def count(self) -> int:
@@ -172,11 +179,13 @@ class Windows:
 def grad_weight_windows(tile: TileConfig, *, batch: int, cin: int, cout: int, nin: int,
                         nout: int, v: int, entries: int, processors: int, l2_bytes: int | None,
                         programs_per_sm: int = PROGRAMS_PER_SM,
-                        l2_fraction: int = WINDOW_L2_FRACTION) -> Windows:
+                        l2_fraction: int = WINDOW_L2_FRACTION,
+                        chain_links: int = CHAIN_LINKS) -> Windows:
     """The windows of a dW call: each one's x and grad_y rows (2-byte elements) within
     ``l2_bytes / l2_fraction`` (``l2_bytes`` None: any size); then, where the programs of
     all cells' tiles would not give ``programs_per_sm`` programs per SM, more windows, but
-    none of fewer than MIN_STEPS_PER_SPLIT steps (on average)."""
+    none of fewer than MIN_STEPS_PER_SPLIT steps (on average); and enough sums that each
+    tile's chain has at most ``chain_links`` windows, within SUMS_BYTES."""
     chunks = max(1, math.ceil(batch / tile.block_k))
     tiles = v * math.ceil(cin / tile.block_m) * math.ceil(cout / tile.block_n)
     chunk_bytes = tile.block_k * 2 * (nout * cout + nin * cin)
@@ -190,7 +199,9 @@ def grad_weight_windows(tile: TileConfig, *, batch: int, cin: int, cout: int, ni
                                           programs_per_sm))
     groups = max(groups, min(chunks, math.ceil(target / shares)))
     shares = max(shares, min(nout, math.ceil(target / groups)))
-    return Windows(shares, groups)
+    most_sums = max(1, SUMS_BYTES // (4 * v * cin * cout))
+    sums = min(shares * groups, most_sums, math.ceil(shares * groups / chain_links))
+    return Windows(shares, groups, sums)
 
 
 def _splits(tiles: int, steps_per_tile: int, processors: int, programs_per_sm: int) -> int:
@@ -263,22 +274,28 @@ def grad_input(grad_y: torch.Tensor, weight: torch.Tensor, tables: TritonTables,
 def grad_weight(grad_y: torch.Tensor, x: torch.Tensor, tables: TritonTables,
                 share_starts: torch.Tensor, *, v: int, tile: TileConfig, windows: Windows,
                 poison: bool = False) -> torch.Tensor:
-    """dW [Cout, Cin*V] in float32, deterministic: each cell's tile adds its windows' sums in
-    window order. ``share_starts``: tables.build_share_starts for ``windows.shares``. x
-    [B, Cin, Nin] and grad_y [B, Cout, Nout] must be :func:`boxable`."""
+    """dW [Cout, Cin*V] in float32, deterministic: window w adds its sums into sum w %
+    ``windows.sums`` of each cell's tile, each sum's windows in window order, and the sums
+    are added in a fixed order. ``share_starts``: tables.build_share_starts for
+    ``windows.shares``. x [B, Cin, Nin] and grad_y [B, Cout, Nout] must be :func:`boxable`."""
     batch, cin, _ = x.shape
     cout = grad_y.shape[1]
-    grad = _poisoned_or_empty((v, cin, cout), torch.float32, x.device, poison)
+    sums = _poisoned_or_empty((windows.sums, v, cin, cout), torch.float32, x.device, poison)
     tiles = triton.cdiv(cin, tile.block_m) * triton.cdiv(cout, tile.block_n)
-    turns = torch.zeros(v * tiles, dtype=torch.int32, device=x.device)
+    turns = torch.zeros(windows.sums * v * tiles, dtype=torch.int32, device=x.device)
     conv_grad_weight_kernel[(windows.count * v * tiles,)](
         rows_box(x, (tile.block_k, tile.block_m)),
         rows_box(grad_y, (tile.block_k, tile.block_n)),
-        grad, turns, share_starts, tables.cell_x, tables.cell_gy, cin, cout, v,
-        windows.shares, windows.groups, triton.cdiv(batch, tile.block_k), BM=tile.block_m,
-        BN=tile.block_n, BB=tile.block_k, num_warps=tile.warps, num_stages=tile.stages)
-    # [V, Cin, Cout] -> [Cout, Cin, V]
-    return grad.permute(2, 1, 0).reshape(cout, cin * v)
+        sums, turns, share_starts, tables.cell_x, tables.cell_gy, cin, cout, v,
+        windows.shares, windows.groups, triton.cdiv(batch, tile.block_k), windows.sums,
+        BM=tile.block_m, BN=tile.block_n, BB=tile.block_k, num_warps=tile.warps,
+        num_stages=tile.stages)
+    # [sums, V, Cin, Cout] -> [Cout, Cin, V], the sums added in one reduction (a fixed order)
+    if windows.sums == 1:
+        return sums[0].permute(2, 1, 0).reshape(cout, cin * v)
+    grad = torch.empty((cout, cin, v), dtype=torch.float32, device=x.device)
+    torch.sum(sums.permute(0, 3, 2, 1), dim=0, out=grad)
+    return grad.view(cout, cin * v)
 
 
 @cache
