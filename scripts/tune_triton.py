@@ -33,15 +33,20 @@ from knnconv.tools.bench import graph_replay_ms, load_geometry_dir
 
 DEVICE = torch.device("cuda")
 # (block_m, block_n, block_k, warps, stages) candidates per family, before fitting; eight
-# warps (two warpgroups) where a tile holds 128 x 128 accumulators or more
+# warps (two warpgroups) where a tile holds 128 x 128 accumulators or more. The gather-GEMMs'
+# boxes get about half the stages as buffers (tiles.json's "about"): 5 and 6 stages are
+# three buffers, which on sm_90 keep the programs per SM of 4 stages' two for 128 x 128
+# (registers bound it) and cost one of 64 x 128's four (python -m knnconv.tools.triton_build)
 GEMM_TILES = [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
               (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 256, 64, 8, 3),
-              (128, 128, 32, 8, 5), (64, 64, 64, 4, 4)]
+              (128, 128, 32, 8, 5), (64, 64, 64, 4, 4), (128, 128, 64, 8, 5),
+              (128, 256, 64, 8, 5), (64, 128, 64, 4, 6), (64, 64, 64, 4, 6)]
 SPACE = {"forward": GEMM_TILES, "grad_input": GEMM_TILES,
          "grad_weight": [(128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (64, 128, 64, 4, 4),
                          (128, 64, 64, 4, 4), (64, 64, 128, 4, 4), (128, 256, 64, 8, 3),
                          (256, 128, 64, 8, 3), (64, 64, 256, 4, 3), (64, 128, 128, 4, 3),
-                         (128, 256, 128, 8, 2), (128, 128, 256, 8, 2)],
+                         (128, 256, 128, 8, 2), (128, 128, 256, 8, 2), (128, 128, 64, 8, 5),
+                         (64, 128, 64, 4, 6), (64, 64, 128, 4, 6)],
          # few-channel stems: batch rows, output columns, contraction rows (several
          # neighbours' channel slots)
          "stem_forward": [(128, 64, 32, 4, 3), (128, 64, 64, 4, 3), (64, 64, 64, 4, 3),

@@ -268,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r.spilled_bytes:5} {r.shared_bytes:7} {r.buffers:4} {r.programs_per_sm:6}  "
               f"{r.limited_by}")
     if options.json:
-        options.json.write_text(json.dumps([asdict(r) for r in reports], indent=1) + "\n")
+        options.json.write_text(json.dumps(
+            {"triton": triton.__version__, "arch": options.arch,
+             "reports": [asdict(r) for r in reports]}, indent=1) + "\n")
     return 0
 
 

@@ -37,7 +37,7 @@ def compiled(arch: str, tmp_dir: str) -> list[dict]:
     subprocess.run([sys.executable, "-m", "knnconv.tools.triton_build", "--arch", arch,
                     "--json", out], check=True, env=env, capture_output=True, timeout=600)
     with open(out) as file:
-        return json.load(file)
+        return json.load(file)["reports"]
 
 
 @pytest.fixture(scope="module")
