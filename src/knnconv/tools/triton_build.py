@@ -174,10 +174,6 @@ def launch_tile(family: str, tile, dtype=torch.float16) -> None:
             launch.stem_grad_weight(grad_y, x, stem, nin=nin, v=v, tile=tile)
         else:
             launch.stem_grad_input(grad_y, weight, stem, nin=nin, v=v, tile=tile, dtype=dtype)
-    elif family == "grad_bias":
-        # enough rows for several programs of several steps each
-        grad_y = _channels_last(4 * bm, bn, 64, dtype)
-        launch.grad_bias(grad_y, tile=tile, processors=2)
     elif family.startswith("depthwise_"):
         channels = bn
         knn, rf, _ = _sample_layer(channels, channels, nin=nin, nout=nout, v=v)
