@@ -112,7 +112,7 @@ def test_compiled_auto_compares_the_batches_it_can_guard_on(batch_kind):
                 assert compiled(x).item() == expected, (replay, batch)
 
 
-def test_auto_leaves_stems_to_the_cuda_kernels_but_for_large_narrow_replayed_or_forward_calls():
+def test_auto_leaves_stems_to_the_cuda_kernels_but_for_large_narrow_replayed_forward_or_big_calls():
     suits = dispatch.triton_suits
     generator = torch.Generator().manual_seed(3)
     stem = random_geometry(generator, nin=60, nout=30, k=9).plan(cin=3, cout=64)
@@ -123,7 +123,12 @@ def test_auto_leaves_stems_to_the_cuda_kernels_but_for_large_narrow_replayed_or_
     with knnconv.context.using(graph_replay=True):  # a replayed step, with or without dx
         assert suits(stem, rows) and not suits(stem, rows - 1) and suits(stem, None)
         assert not suits(wide, 2**20)
-    assert not suits(stem, 2**20)  # eager: the triton calls cost the host more
+    # eager: the triton calls cost the host more, paid back from enough forward work
+    flop_per_image = 2 * stem.entry_count * stem.cin * stem.cout
+    enough = -(-int(dispatch.FEW_CHANNEL_MIN_TRAIN_FLOP) // flop_per_image)
+    assert enough > rows
+    assert suits(stem, enough) and not suits(stem, enough - 1) and not suits(stem, rows)
+    assert not suits(stem, None) and not suits(wide, 2**30)
     # forward only: the few-channel kernel, from enough output rows, up to 64 channels
     assert suits(stem, rows, backward=False) and not suits(stem, rows - 1, backward=False)
     assert suits(stem, None, backward=False) and not suits(wide, 2**20, backward=False)

@@ -95,9 +95,14 @@ TRITON_MIN_FORWARD_FLOP = 100e9
 # (bench/results/h200_stems.json). On wider stems (AlexNet's 96 channels, the ViT patch
 # embeddings' 192-1280) the forward took 0.68-1.73x and AlexNet's replayed step 1.01-1.09x
 # with dx, 0.94-1.30x without. Eager, a triton training call costs the host more: ResNet-18
-# conv1's step without dx took 1.3-1.7x cuda's at B = 128 and 512.
+# conv1's step without dx took 1.3-1.7x cuda's at B = 128 and 512. Only on much work does the
+# eager step pay: on one H100 (bench/results/h100_fovi_kernels_2026-12-06.json, x fresh each
+# call) the generated K = 49 stems' step took 0.70-0.81x cuda's from 41 GFLOP of forward work
+# up (B = 512 and 2048 on 4,241 nodes, B = 2048 on 3,321), and 0.74-1.18x below, where
+# ResNet-18's conv1 took 0.89-1.79x (up to 36 GFLOP, B = 2048).
 FEW_CHANNEL_MAX_COUT = 64
 FEW_CHANNEL_MIN_ROWS = 2**18
+FEW_CHANNEL_MIN_TRAIN_FLOP = 40e9
 
 
 def triton_suits(plan: KNNConvPlan, batch, backward: bool = True) -> bool:
@@ -107,7 +112,8 @@ def triton_suits(plan: KNNConvPlan, batch, backward: bool = True) -> bool:
     - Layers of input channels that are not a multiple of 16 (triton pads them): never, but
       for a layer of fewer than 16 (image stems: the few-channel kernels run it) of at most
       FEW_CHANNEL_MAX_COUT output channels and FEW_CHANNEL_MIN_ROWS output rows (or no batch
-      given: None), in a forward-only call or a replayed training step (below).
+      given: None), in a forward-only call, a replayed training step (below), or a training
+      step run call by call from FEW_CHANNEL_MIN_TRAIN_FLOP of forward work up.
     - Steps replayed as CUDA graphs (the graph_replay setting, which the user sets for a step
       captured by hand or compiled with mode="reduce-overhead"), where GPU time alone counts:
       where the layer
@@ -127,14 +133,22 @@ def triton_suits(plan: KNNConvPlan, batch, backward: bool = True) -> bool:
     if torch.are_deterministic_algorithms_enabled():
         return True
     if plan.cin % TRITON_CHANNEL_CHUNK:
-        forward_or_replayed = not backward or context.settings().graph_replay
-        return (forward_or_replayed and few_channels(plan.cin)
-                and plan.cout <= FEW_CHANNEL_MAX_COUT
-                and (batch is None or _at_least(batch * plan.nout, FEW_CHANNEL_MIN_ROWS)))
+        if not (few_channels(plan.cin) and plan.cout <= FEW_CHANNEL_MAX_COUT
+                and (batch is None or _at_least(batch * plan.nout, FEW_CHANNEL_MIN_ROWS))):
+            return False
+        if not backward or context.settings().graph_replay:
+            return True
+        return batch is not None and _at_least(_forward_flop(plan, batch),
+                                               FEW_CHANNEL_MIN_TRAIN_FLOP)
     if context.settings().graph_replay:
         return plan.nout * plan.k >= plan.v
-    return batch is not None and _at_least(
-        2 * batch * plan.entry_count * plan.cin * plan.cout, TRITON_MIN_FORWARD_FLOP)
+    return batch is not None and _at_least(_forward_flop(plan, batch), TRITON_MIN_FORWARD_FLOP)
+
+
+def _forward_flop(plan: KNNConvPlan, batch):
+    """A call's forward work, 2 * B * real entries * Cin * Cout (the entries counted when the
+    plan was built, so Dynamo traces no count of the table)."""
+    return 2 * batch * plan.entry_count * plan.cin * plan.cout
 
 
 def _at_least(work, threshold) -> bool:
