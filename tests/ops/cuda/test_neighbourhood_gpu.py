@@ -290,6 +290,26 @@ def test_channels_last_pool_loads_the_widest_aligned_channel_run(dtype, channels
                         mode)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", POOL_MODES)
+@pytest.mark.parametrize("pool_batch", neighbourhood.POOL_BATCHES)
+def test_channels_last_pool_gradient_of_many_pairs_per_input_node(dtype, mode, pool_batch,
+                                                                   monkeypatch):
+    # about 36 pairs read each input node: the backward takes them a few at a time, the last
+    # few partial; 5 batch elements leave a partial batch group for 2 and 4 per thread
+    monkeypatch.setattr(neighbourhood, "POOL_BATCH", pool_batch)
+    _, knn = table_with_all_padding_node(11, nin=POOL_NIN, nout=300, k=9, padding=0.2)
+    x, grad_y = pool_inputs(64, 5, 64, knn, mode, dtype)
+    results = run_pool_kernels(in_storage(x.to(DEVICE), "channels_last"),
+                               in_storage(grad_y.to(DEVICE), "channels_last"), knn, POOL_NIN,
+                               mode)
+    for output in results:
+        if output is not None:
+            assert_storage(output, "channels_last")
+    assert_pool_matches(results, reference_pool_results(x, grad_y, knn, POOL_NIN, mode), dtype,
+                        mode)
+
+
 @pytest.mark.parametrize("mode", POOL_MODES)
 def test_pool_of_any_other_strides_takes_the_row_kernels_on_a_copy(mode):
     _, knn = table_with_all_padding_node(4, nin=POOL_NIN, nout=25, k=7, padding=0.2)
