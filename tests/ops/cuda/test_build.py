@@ -288,11 +288,6 @@ def test_host_constants_match_the_kernel_headers():
     assert values["kLogTransposeElements"] == launch.LOG_TRANSPOSE_ELEMENTS
     assert values["kTransposeThreads"] == launch.TRANSPOSE_THREADS
     assert values["kPairsTile"] == launch.PAIRS_TILE
-    from knnconv.ops.cuda import neighbourhood
-
-    source = (KERNEL_DIR / "knn_neighbourhood.cu").read_text()
-    threads = re.search(r"constexpr int kNeighbourhoodThreads = (\d+);", source)
-    assert int(threads.group(1)) == neighbourhood.THREADS
 
 
 def test_every_kernel_takes_no_more_arguments_than_a_launch_holds():

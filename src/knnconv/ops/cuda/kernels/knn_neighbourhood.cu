@@ -234,10 +234,8 @@ __device__ __forceinline__ void max_step_pair(Pair value, unsigned s_pair, Pair&
 }
 
 // One thread's running reduction over a window, for one batch element and kVector channels:
-// start, load each real neighbour's channel run and add it (at its slot s; loads and adds
-// apart, so that a thread has several neighbours' loads in flight before it adds any), store
-// y (and for max the choice codes) with `real` the number of real neighbours (0: y = 0, no
-// gradient).
+// start, add each real neighbour's channel run (at its slot s), store y (and for max the
+// choice codes) with `real` the number of real neighbours (0: y = 0, no gradient).
 template <typename T, int kMode, int kVector,
           bool kPacked = kMode == kPoolMax && PackedPair<T>::kExists && kVector % 2 == 0>
 struct PoolWindow;
@@ -258,21 +256,12 @@ struct PoolWindow<T, kPoolMax, kVector, true> {
       slots[p] = 0;
     }
   }
-  // a neighbour's channel run
-  struct Loaded {
+  __device__ __forceinline__ void add(const T* at, int s) {
     Pair values[kPairs];
-  };
-  __device__ __forceinline__ Loaded load(const T* at) const {
-    Loaded loaded;
-    load_pairs(at, loaded.values);
-    return loaded;
-  }
-  __device__ __forceinline__ void add(const Loaded& loaded, int s) {
+    load_pairs(at, values);
     const unsigned s_pair = static_cast<unsigned>(s) * 0x10001u;
 #pragma unroll
-    for (int p = 0; p < kPairs; ++p) {
-      max_step_pair(loaded.values[p], s_pair, best[p], ties[p], slots[p]);
-    }
+    for (int p = 0; p < kPairs; ++p) max_step_pair(values[p], s_pair, best[p], ties[p], slots[p]);
   }
   __device__ __forceinline__ void store(T* y_at, unsigned char* choices_at, int real,
                                         bool relu) const {
@@ -305,20 +294,11 @@ struct PoolWindow<T, kPoolMax, kVector, false> {
       ties[e] = slots[e] = 0;
     }
   }
-  // a neighbour's channel run
-  struct Loaded {
+  __device__ __forceinline__ void add(const T* at, int s) {
     T values[kVector];
-  };
-  __device__ __forceinline__ Loaded load(const T* at) const {
-    Loaded loaded;
-    load_vector(at, loaded.values);
-    return loaded;
-  }
-  __device__ __forceinline__ void add(const Loaded& loaded, int s) {
+    load_vector(at, values);
 #pragma unroll
-    for (int e = 0; e < kVector; ++e) {
-      max_step(to_float(loaded.values[e]), s, best[e], ties[e], slots[e]);
-    }
+    for (int e = 0; e < kVector; ++e) max_step(to_float(values[e]), s, best[e], ties[e], slots[e]);
   }
   __device__ __forceinline__ void store(T* y_at, unsigned char* choices_at, int real,
                                         bool relu) const {
@@ -344,18 +324,11 @@ struct PoolWindow<T, kMode, kVector, false> {
 #pragma unroll
     for (int e = 0; e < kVector; ++e) total[e] = 0.0f;
   }
-  // a neighbour's channel run
-  struct Loaded {
+  __device__ __forceinline__ void add(const T* at, int) {
     T values[kVector];
-  };
-  __device__ __forceinline__ Loaded load(const T* at) const {
-    Loaded loaded;
-    load_vector(at, loaded.values);
-    return loaded;
-  }
-  __device__ __forceinline__ void add(const Loaded& loaded, int) {
+    load_vector(at, values);
 #pragma unroll
-    for (int e = 0; e < kVector; ++e) total[e] += to_float(loaded.values[e]);
+    for (int e = 0; e < kVector; ++e) total[e] += to_float(values[e]);
   }
   __device__ __forceinline__ void store(T* y_at, unsigned char*, int real, bool) const {
     const float count = kMode == kPoolAvg ? static_cast<float>(real > 0 ? real : 1) : 1.0f;
@@ -366,29 +339,19 @@ struct PoolWindow<T, kMode, kVector, false> {
   }
 };
 
-// The loads of x rows (forward) or gradients (backward) one thread of the channels-last
-// pooling kernels has in flight together, over its kBatch batch elements: a neighbour's or
-// pair's loads wait on its table entry, so one at a time the kernels waited on two memory
-// latencies each (the backward: DRAM at 27% of peak, bench/NOTES.md 2026-12-07). A thread of
-// kBatch batch elements takes kPoolLoadsAhead / kBatch neighbours or pairs at a time.
-constexpr int kPoolLoadsAhead = 4;
-
 // The channels-last pooling: y[b, n, c] (and for max choices[b, n, c]) as knn_pool_forward
 // defines them, on x [B, Nin, C]. One thread per (node n, run of kVector channels), channels
 // fastest, and kBatch batch elements, batch groups over gridDim.y: the threads serving one
 // node read each neighbour's channel run as consecutive vectors of one row of x, so every
 // gather is coalesced, and every table entry a thread loads serves its kBatch elements, whose
-// loads are independent. The slots go a few at a time: their table entries, then their x
-// runs, then the max (or sum) steps in slot order. C is a multiple of kVector and x, y
-// aligned to kVector elements (the host picks kVector so, and kBatch: POOL_BATCH in
-// neighbourhood.py). Offsets within an image are ints: the host keeps Nin * C and Nout * C
-// within one.
+// loads are independent. C is a multiple of kVector and x, y aligned to kVector elements (the
+// host picks kVector so, and kBatch: POOL_BATCH in neighbourhood.py). Offsets within an image
+// are ints: the host keeps Nin * C and Nout * C within one.
 template <typename T, int kMode, int kVector, int kBatch>
 __global__ void knn_pool_forward_channels_last(const T* __restrict__ x,
                                                const int* __restrict__ knn, T* __restrict__ y,
                                                unsigned char* __restrict__ choices, int batch,
                                                int channels, int nin, int nout, int k) {
-  constexpr int kSlotsAhead = kPoolLoadsAhead / kBatch > 0 ? kPoolLoadsAhead / kBatch : 1;
   const int runs = channels / kVector;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= nout * runs) return;
@@ -403,32 +366,14 @@ __global__ void knn_pool_forward_channels_last(const T* __restrict__ x,
 #pragma unroll
     for (int g = 0; g < kBatch; ++g) windows[g].start();
     int real = 0;
-    for (int s0 = 0; s0 < k; s0 += kSlotsAhead) {
-      int rows[kSlotsAhead];
-      bool reals[kSlotsAhead];
+    for (int s = 0; s < k; ++s) {
+      const int m = knn[s * nout + n];
+      if (m == nin) continue;
+      ++real;
+      const int row = m * channels;
 #pragma unroll
-      for (int u = 0; u < kSlotsAhead; ++u) {
-        const int m = s0 + u < k ? knn[(s0 + u) * nout + n] : nin;
-        reals[u] = m != nin;
-        rows[u] = reals[u] ? m * channels : 0;
-      }
-      typename PoolWindow<T, kReduction<kMode>, kVector>::Loaded loaded[kSlotsAhead][kBatch];
-#pragma unroll
-      for (int u = 0; u < kSlotsAhead; ++u) {
-#pragma unroll
-        for (int g = 0; g < kBatch; ++g) {
-          if (reals[u] && g < group) {
-            loaded[u][g] = windows[g].load(images + g * in_image + rows[u]);
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kSlotsAhead; ++u) {
-        real += reals[u];
-#pragma unroll
-        for (int g = 0; g < kBatch; ++g) {
-          if (reals[u] && g < group) windows[g].add(loaded[u][g], s0 + u);
-        }
+      for (int g = 0; g < kBatch; ++g) {
+        if (g < group) windows[g].add(images + g * in_image + row, s);
       }
     }
     const size_t out = static_cast<size_t>(b0) * out_image + n * channels + c;
@@ -460,47 +405,38 @@ struct GradientSums {
 };
 
 // One thread's gradient of one batch element's x over kVector channels: start (for max,
-// where its own x lies), load what a pair (output node, slot) reading it sends and then add
-// it (share: 1, or avg's 1/count; loads and adds apart, so that a thread has the loads of
-// several pairs in flight before it adds any), store dx. For max what the node's choice
-// codes send to the slot: its gradient where the code is the slot, a tie share where the
-// code counts ties and x is the max (the only case that reads x and y), nothing elsewhere.
+// where its own x lies), add the gradient each pair (output node, slot) reading it sends
+// (share: 1, or avg's 1/count), store dx. For max what the node's choice codes send to the
+// slot: its gradient where the code is the slot, a tie share where the code counts ties and
+// x is the max (the only case that reads x and y), nothing elsewhere.
 template <typename T, int kMode, int kVector,
           bool kPacked = kMode == kPoolMax && PackedPair<T>::kExists && kVector % 2 == 0>
 struct PoolGradient : GradientSums<T, kVector> {
   using GradientSums<T, kVector>::total;
-  // a pair's gradients, and for max its choice codes
-  struct Loaded {
-    T grads[kVector];
-    unsigned char codes[kMode == kPoolMax ? kVector : 1];
-  };
   const T* own = nullptr;
 
   __device__ __forceinline__ void start(const T* x_at) {
     own = x_at;
     this->clear();
   }
-  __device__ __forceinline__ Loaded load(const T* gy_at, const unsigned char* choices_at) const {
-    Loaded loaded;
-    load_vector(gy_at, loaded.grads);
-    if constexpr (kMode == kPoolMax) load_vector(choices_at, loaded.codes);
-    return loaded;
-  }
-  __device__ __forceinline__ void add(const Loaded& loaded, const T* y_at, float share,
-                                      int slot) {
+  __device__ __forceinline__ void add(const T* gy_at, const T* y_at,
+                                      const unsigned char* choices_at, float share, int slot) {
+    T grads[kVector];
+    load_vector(gy_at, grads);
     if constexpr (kMode == kPoolMax) {
+      unsigned char codes[kVector];
+      load_vector(choices_at, codes);
 #pragma unroll
       for (int e = 0; e < kVector; ++e) {
-        if (loaded.codes[e] == slot) {
-          total[e] += to_float(loaded.grads[e]);
-        } else if (loaded.codes[e] > kChoiceTied) {
-          total[e] += tied_share(loaded.codes[e], to_float(loaded.grads[e]), own + e,
-                                 y_at + e);
+        if (codes[e] == slot) {
+          total[e] += to_float(grads[e]);
+        } else if (codes[e] > kChoiceTied) {
+          total[e] += tied_share(codes[e], to_float(grads[e]), own + e, y_at + e);
         }
       }
     } else {
 #pragma unroll
-      for (int e = 0; e < kVector; ++e) total[e] += to_float(loaded.grads[e]) * share;
+      for (int e = 0; e < kVector; ++e) total[e] += to_float(grads[e]) * share;
     }
   }
 };
@@ -531,43 +467,35 @@ struct PoolGradient<T, kPoolMax, kVector, true> : GradientSums<T, kVector> {
   using Pair = typename PackedPair<T>::type;
   static constexpr int kPairs = kVector / 2;
   static constexpr int kWords = (kVector + 3) / 4;
-  // a pair's gradients as packed pairs and its choice codes as words
-  struct Loaded {
-    unsigned grads[kPairs];
-    unsigned words[kWords];
-  };
   const T* own = nullptr;
 
   __device__ __forceinline__ void start(const T* x_at) {
     own = x_at;
     this->clear();
   }
-  __device__ __forceinline__ Loaded load(const T* gy_at, const unsigned char* choices_at) const {
-    Loaded loaded;
-    load_pairs(gy_at, loaded.grads);
-    load_codes<kVector>(choices_at, loaded.words);
-    return loaded;
-  }
-  __device__ __forceinline__ void add(const Loaded& loaded, const T* y_at, float, int slot) {
-    unsigned matches[kWords];
+  __device__ __forceinline__ void add(const T* gy_at, const T* y_at,
+                                      const unsigned char* choices_at, float, int slot) {
+    unsigned grads[kPairs], words[kWords], matches[kWords];
+    load_pairs(gy_at, grads);
+    load_codes<kVector>(choices_at, words);
     const unsigned slot4 = static_cast<unsigned>(slot) * 0x01010101u;
     unsigned tied = 0;
 #pragma unroll
     for (int w = 0; w < kWords; ++w) {
-      matches[w] = __vcmpeq4(loaded.words[w], slot4);
-      tied |= __vcmpgtu4(loaded.words[w], kChoiceTied * 0x01010101u);
+      matches[w] = __vcmpeq4(words[w], slot4);
+      tied |= __vcmpgtu4(words[w], kChoiceTied * 0x01010101u);
     }
 #pragma unroll
     for (int p = 0; p < kPairs; ++p) {
       const unsigned mask = __byte_perm(matches[p / 2], 0, p % 2 ? 0x3322 : 0x1100);
-      const unsigned bits = loaded.grads[p] & mask;
+      const unsigned bits = grads[p] & mask;
       const float2 sent = to_float2(*reinterpret_cast<const Pair*>(&bits));
       total[2 * p] += sent.x;
       total[2 * p + 1] += sent.y;
     }
     if (tied) {
-      const unsigned char* codes = reinterpret_cast<const unsigned char*>(loaded.words);
-      const T* gradients = reinterpret_cast<const T*>(loaded.grads);
+      const unsigned char* codes = reinterpret_cast<const unsigned char*>(words);
+      const T* gradients = reinterpret_cast<const T*>(grads);
 #pragma unroll
       for (int e = 0; e < kVector; ++e) {
         if (codes[e] > kChoiceTied) {
@@ -578,33 +506,17 @@ struct PoolGradient<T, kPoolMax, kVector, true> : GradientSums<T, kVector> {
   }
 };
 
-// The threads of every neighbourhood kernel's block (THREADS in neighbourhood.py).
-constexpr int kNeighbourhoodThreads = 256;
-// The blocks of the channels-last gradient an SM must hold: for max pooling of one batch
-// element of a 16-bit type, four (64 registers, half the warps an SM holds, as its
-// one-pair-at-a-time form had: the loads in flight are worth their registers only while the
-// SM keeps its warps); the other modes, wider types and more batch elements would spill
-// there, and are not bound.
-template <typename T, int kMode, int kBatch>
-constexpr int kPoolBackwardMinBlocks =
-    kMode == kPoolMax && kBatch == 1 && sizeof(T) == 2 ? 4 : 1;
-
 // The channels-last gradient: dx[b, m, c] as knn_pool_backward defines it, with gy, y and
 // choices [B, Nout, C], x and dx [B, Nin, C]. One thread per (input node m, run of kVector
 // channels), channels fastest, and kBatch batch elements: each pair reading m is one
 // coalesced vector read of gy (and of the choice codes for max) per run and batch element.
-// The pairs go a few at a time: their table entries, then their gradient loads, then the
-// adds.
 template <typename T, int kMode, int kVector, int kBatch>
-__global__ void __launch_bounds__(kNeighbourhoodThreads,
-                                  kPoolBackwardMinBlocks<T, kMode, kBatch>)
-    knn_pool_backward_channels_last(
+__global__ void knn_pool_backward_channels_last(
     const T* __restrict__ gy, const T* __restrict__ x, const T* __restrict__ y,
     const unsigned char* __restrict__ choices, const float* __restrict__ scale,
     const int* __restrict__ pair_start, const int* __restrict__ pair_node,
     const int* __restrict__ pair_slot, T* __restrict__ dx, int batch, int channels, int nin,
     int nout) {
-  constexpr int kPairsAhead = kPoolLoadsAhead / kBatch > 0 ? kPoolLoadsAhead / kBatch : 1;
   const int runs = channels / kVector;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= nin * runs) return;  // the host keeps Nin * C within an int
@@ -622,34 +534,15 @@ __global__ void __launch_bounds__(kNeighbourhoodThreads,
     for (int g = 0; g < kBatch; ++g) {
       if (g < group) gradients[g].start(x + in + g * in_image);
     }
-    for (int j0 = first; j0 < last; j0 += kPairsAhead) {
-      int rows[kPairsAhead], slots[kPairsAhead];
-      float shares[kPairsAhead];
+    for (int j = first; j < last; ++j) {
+      const int n = pair_node[j];
+      const float share = kMode == kPoolAvg ? scale[n] : 1.0f;
+      const int slot = kMode == kPoolMax ? pair_slot[j] : 0;
+      const int row = n * channels;
 #pragma unroll
-      for (int u = 0; u < kPairsAhead; ++u) {
-        const bool real = j0 + u < last;
-        const int n = real ? pair_node[j0 + u] : 0;
-        rows[u] = n * channels;
-        shares[u] = kMode == kPoolAvg && real ? scale[n] : 1.0f;
-        slots[u] = kMode == kPoolMax && real ? pair_slot[j0 + u] : 0;
-      }
-      typename PoolGradient<T, kMode, kVector>::Loaded loaded[kPairsAhead][kBatch];
-#pragma unroll
-      for (int u = 0; u < kPairsAhead; ++u) {
-#pragma unroll
-        for (int g = 0; g < kBatch; ++g) {
-          const size_t at = outs + g * out_image + rows[u];
-          if (j0 + u < last && g < group) loaded[u][g] = gradients[g].load(gy + at, choices + at);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kPairsAhead; ++u) {
-#pragma unroll
-        for (int g = 0; g < kBatch; ++g) {
-          const size_t at = outs + g * out_image + rows[u];
-          if (j0 + u < last && g < group) gradients[g].add(loaded[u][g], y + at, shares[u],
-                                                           slots[u]);
-        }
+      for (int g = 0; g < kBatch; ++g) {
+        const size_t at = outs + g * out_image + row;
+        if (g < group) gradients[g].add(gy + at, y + at, choices + at, share, slot);
       }
     }
 #pragma unroll
