@@ -32,18 +32,16 @@ from knnconv.ops.triton import configs as tile_configs
 from knnconv.ops.triton import launch, launcher, tables
 from knnconv.ops.triton.configs import FAMILIES, TileConfig
 
-# per architecture: registers and the largest shared memory one block may take (bytes), the
-# shared memory of an SM, the warps an SM holds and the shared memory the driver reserves
-# per block (CUDA programming guide, compute capabilities table)
+# per architecture the triton backend serves (sm_90 up): registers and the largest shared
+# memory one block may take (bytes), the shared memory of an SM and the warps an SM holds
+# (CUDA programming guide, compute capabilities table)
 ARCHITECTURES = {
-    "sm_80": {"capability": 80, "registers": 65536, "block_shared": 166912,
-              "sm_shared": 167936, "warps": 64},
     "sm_90": {"capability": 90, "registers": 65536, "block_shared": 232448,
               "sm_shared": 233472, "warps": 64},
     "sm_100": {"capability": 100, "registers": 65536, "block_shared": 232448,
                "sm_shared": 233472, "warps": 64},
 }
-RESERVED_SHARED = 1024
+RESERVED_SHARED = 1024  # the shared memory the driver reserves per block
 MAX_BLOCKS_PER_SM = 32
 REGISTER_UNIT = 8  # registers per thread are allocated in multiples of this (256 a warp)
 # a multi-buffered shared-memory allocation of the pipeliner, buffers x rows x columns
@@ -126,70 +124,60 @@ def compile_only(arch: str):
         driver.set_active(previous)
 
 
-def _sample_layer(cin: int, cout: int, *, nin: int = 24, nout: int = 12, k: int = 7,
-                  v: int = 5):
-    """A small random layer's geometry (with padding slots) and its triton tables."""
-    generator = torch.Generator().manual_seed(0)
-    knn = torch.randint(0, nin + 1, (k, nout), generator=generator)
-    rf = torch.randint(0, v, (nout, k), generator=generator)
-    return knn, rf, tables.build_tables(knn, rf, nin=nin, v=v, cin=cin, cout=cout)
+# the sample layer every tile is compiled on: batch, nodes, neighbours and kernel cells
+BATCH, NIN, NOUT, K, V = 2, 24, 12, 7, 5
 
 
-def _channels_last(batch: int, channels: int, nodes: int, dtype) -> torch.Tensor:
-    return torch.randn(batch, nodes, channels, dtype=dtype).transpose(1, 2)
+def _channels_last(channels: int, nodes: int, dtype) -> torch.Tensor:
+    return torch.randn(BATCH, nodes, channels, dtype=dtype).transpose(1, 2)
 
 
 def launch_tile(family: str, tile, dtype=torch.float16) -> None:
-    """One call of ``family``'s launch function with ``tile``, on CPU tensors whose sizes
-    the tile fits without change (two contraction chunks, columns of one block)."""
+    """One call of ``family``'s launch function with ``tile``, on a small random layer (with
+    padding slots) whose channels the tile fits without change (two contraction chunks,
+    columns of one block)."""
     bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
-    batch, nin, nout, v = 2, 24, 12, 5
+    cin, cout = {"forward": (2 * bk, bn), "grad_input": (bn, 2 * bk), "grad_weight": (bm, bn),
+                 "stem_forward": (3, bn), "stem_grad_weight": (3, bn),
+                 "stem_grad_input": (3, 2 * bk)}.get(family, (bn, bn))
+    generator = torch.Generator().manual_seed(0)
+    knn = torch.randint(0, NIN + 1, (K, NOUT), generator=generator)
+    rf = torch.randint(0, V, (NOUT, K), generator=generator)
+    x, grad_y = _channels_last(cin, NIN, dtype), _channels_last(cout, NOUT, dtype)
     if family in ("forward", "grad_input", "grad_weight"):
-        cin, cout = {"forward": (2 * bk, bn), "grad_input": (bn, 2 * bk),
-                     "grad_weight": (bm, bn)}[family]
-        knn, rf, layer = _sample_layer(cin, cout, nin=nin, nout=nout, v=v)
-        x = _channels_last(batch, cin, nin, dtype)
-        grad_y = _channels_last(batch, cout, nout, dtype)
-        weight = torch.randn(cout, cin * v)
+        layer = tables.build_tables(knn, rf, nin=NIN, v=V, cin=cin, cout=cout)
+        weight = torch.randn(cout, cin * V)
         if family == "forward":
-            launch.forward(x, weight, torch.randn(cout), layer, nout=nout, v=v, tile=tile)
+            launch.forward(x, weight, torch.randn(cout), layer, nout=NOUT, v=V, tile=tile)
         elif family == "grad_input":
-            launch.grad_input(grad_y, weight, layer, nin=nin, v=v, tile=tile, dtype=dtype)
+            launch.grad_input(grad_y, weight, layer, nin=NIN, v=V, tile=tile, dtype=dtype)
         else:
             # two shares, groups and sums: no size Triton specialises as 1
             windows = launch.Windows(shares=2, groups=2, sums=2)
-            starts = tables.build_share_starts(layer, nout=nout, cout=cout, v=v, shares=2)
-            launch.grad_weight(grad_y, x, layer, starts, v=v, tile=tile, windows=windows)
+            starts = tables.build_share_starts(layer, nout=NOUT, cout=cout, v=V, shares=2)
+            launch.grad_weight(grad_y, x, layer, starts, v=V, tile=tile, windows=windows)
     elif family.startswith("stem_"):
-        cin, cout = 3, bn if family != "stem_grad_input" else 2 * bk
-        knn, rf, _ = _sample_layer(cin, cout, nin=nin, nout=nout, v=v)
-        stem = tables.build_stem_tables(knn, rf, nin=nin, v=v)
-        x = _channels_last(batch, cin, nin, dtype)
-        grad_y = _channels_last(batch, cout, nout, dtype)
-        weight = torch.randn(cout, cin * v)
+        stem = tables.build_stem_tables(knn, rf, nin=NIN, v=V)
+        weight = torch.randn(cout, cin * V)
         if family == "stem_forward":
-            launch.stem_forward(x, weight, torch.randn(cout), stem, nin=nin, nout=nout, v=v,
+            launch.stem_forward(x, weight, torch.randn(cout), stem, nin=NIN, nout=NOUT, v=V,
                                 tile=tile)
         elif family == "stem_grad_weight":
-            launch.stem_grad_weight(grad_y, x, stem, nin=nin, v=v, tile=tile)
+            launch.stem_grad_weight(grad_y, x, stem, nin=NIN, v=V, tile=tile)
         else:
-            launch.stem_grad_input(grad_y, weight, stem, nin=nin, v=v, tile=tile, dtype=dtype)
+            launch.stem_grad_input(grad_y, weight, stem, nin=NIN, v=V, tile=tile, dtype=dtype)
     elif family.startswith("depthwise_"):
-        channels = bn
-        knn, rf, _ = _sample_layer(channels, channels, nin=nin, nout=nout, v=v)
-        slot_cells = torch.where(knn == nin, v, rf.t())
-        depthwise = tables.build_depthwise_tables(knn, slot_cells, nin=nin, v=v)
-        x = _channels_last(batch, channels, nin, dtype)
-        grad_y = _channels_last(batch, channels, nout, dtype)
-        weight = torch.randn(channels, v)
+        slot_cells = torch.where(knn == NIN, V, rf.t())
+        depthwise = tables.build_depthwise_tables(knn, slot_cells, nin=NIN, v=V)
+        weight = torch.randn(cin, V)
         if family == "depthwise_forward":
-            launch.depthwise_forward(x, weight, torch.randn(channels), depthwise, nin=nin,
+            launch.depthwise_forward(x, weight, torch.randn(cin), depthwise, nin=NIN,
                                      tile=tile)
         elif family == "depthwise_grad_input":
-            launch.depthwise_grad_input(grad_y, weight, depthwise, nin=nin, tile=tile,
+            launch.depthwise_grad_input(grad_y, weight, depthwise, nin=NIN, tile=tile,
                                         dtype=dtype)
         else:
-            launch.depthwise_grad_weight(grad_y, x, depthwise, v=v, tile=tile, splits=2)
+            launch.depthwise_grad_weight(grad_y, x, depthwise, v=V, tile=tile, splits=2)
     else:
         raise ValueError(f"unknown family {family!r}")
 
@@ -229,8 +217,8 @@ def compile_tiles(arch: str, families: list[str],
         for tile in tiles:
             with compile_only(arch) as compiled:
                 launch_tile(family, tile)
+            fields = (tile.block_m, tile.block_n, tile.block_k, tile.warps, tile.stages)
             for name, kernel in compiled:
-                fields = (tile.block_m, tile.block_n, tile.block_k, tile.warps, tile.stages)
                 if (family, name, fields) in seen:
                     continue
                 seen.add((family, name, fields))
