@@ -53,6 +53,19 @@ def test_plan_tables_match_compact_tables():
     assert torch.equal(tables.rf_index, RF)
 
 
+def test_device_tables_copy_the_compact_tables_only_when_asked():
+    # the channels-last kernels never read them, and they are a plan's largest tables
+    plan = make_plan(**base_arguments())
+    tables = plan.on("meta")
+
+    assert "compact" not in tables.derived
+    assert tables.knn_indices.device.type == "meta"
+    assert tables.input_linear.device.type == tables.weight_linear.device.type == "meta"
+    assert tables.input_linear.shape == plan.on("cpu").input_linear.shape
+    assert tables.derived["compact"][0] is tables.input_linear  # copied once, then kept
+    assert "compact" not in copy.deepcopy(plan).on("meta").derived
+
+
 @pytest.mark.parametrize(("cin", "k", "p64"), [(1, 1, 64), (8, 8, 64), (13, 5, 128),
                                                (3, 49, 192), (64, 9, 576)])
 def test_make_plan_sizes(cin, k, p64):

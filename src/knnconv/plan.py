@@ -5,8 +5,9 @@ by every call.
 and the compact int32 gather tables (input_linear, weight_linear); :class:`NeighbourhoodPlan`
 (the per-channel layers: pooling and depthwise convolution) holds knn_indices and, for a
 depthwise layer, each slot's kernel cell. Both copy their tables lazily to each device they are
-used on; tables a backend derives (launch buffers, reverse maps) are built once per device
-through :meth:`GeometryPlan.derived` and live as long as the plan. A plan's ``handle`` is the
+used on (the compact tables only when a kernel that reads them runs there); tables a backend
+derives (launch buffers, reverse maps) are built once per device through
+:meth:`GeometryPlan.derived` and live as long as the plan. A plan's ``handle`` is the
 string that names it inside the knnconv custom ops.
 """
 
@@ -67,13 +68,47 @@ def compact_tables(
 
 @dataclass
 class DeviceTables:
-    """One plan's tables on one device, plus the tables backends derived there."""
+    """One plan's tables on one device, plus the tables backends derived there.
+
+    The compact gather tables (input_linear, weight_linear: int32 [Nout, P64], the largest a
+    plan has) serve only knnconv.cuda's API and the cuda backend's kernels that re-lay x out;
+    the kernels of channels-last layers never read them. So a device gets its copy when
+    first asked for it: ``compact`` holds the pair, or (on a device) what copies it there.
+    """
 
     knn_indices: torch.Tensor  # int64 [K, Nout]
     rf_index: torch.Tensor  # int64 [Nout, K]
-    input_linear: torch.Tensor  # int32 [Nout, P64]
-    weight_linear: torch.Tensor  # int32 [Nout, P64]
+    compact: tuple[torch.Tensor, torch.Tensor] | Callable[[], tuple[torch.Tensor, torch.Tensor]]
     derived: dict[str, Any] = field(default_factory=dict)
+
+    def compact_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_linear, weight_linear) on this device."""
+        return self.compact if isinstance(self.compact, tuple) else self.compact()
+
+    @property
+    def input_linear(self) -> torch.Tensor:
+        return self.compact_tables()[0]
+
+    @property
+    def weight_linear(self) -> torch.Tensor:
+        return self.compact_tables()[1]
+
+
+class _CompactCopy:
+    """A plan's compact tables copied to one device on first call (a derived table of the
+    plan there); it holds the plan weakly, so the plan's device tables do not keep it
+    alive."""
+
+    def __init__(self, plan: KNNConvPlan, device: torch.device) -> None:
+        self._plan, self._device = weakref.ref(plan), device
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        plan = self._plan()
+        if plan is None:
+            raise RuntimeError("the plan of these tables is gone")
+        host = plan._host.compact
+        return plan.derived(self._device, "compact", lambda _: tuple(
+            table.to(self._device) for table in host))
 
 
 @dataclass
@@ -246,8 +281,7 @@ class KNNConvPlan(GeometryPlan):
         self._host = DeviceTables(
             knn_indices.cpu().to(torch.int64).contiguous(),
             rf_index.cpu().to(torch.int64).contiguous(),
-            input_linear,
-            weight_linear,
+            (input_linear, weight_linear),
         )
         self._count_entries()
         self._finish()
@@ -265,8 +299,8 @@ class KNNConvPlan(GeometryPlan):
 
     def _copy_tables(self, device: torch.device) -> DeviceTables:
         host = self._host
-        return DeviceTables(*(t.to(device) for t in (
-            host.knn_indices, host.rf_index, host.input_linear, host.weight_linear)))
+        return DeviceTables(host.knn_indices.to(device), host.rf_index.to(device),
+                            _CompactCopy(self, device))
 
     def _describe(self) -> str:
         return (f"KNNConvPlan(cin={self.cin}, cout={self.cout}, nin={self.nin}, "
