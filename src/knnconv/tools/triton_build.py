@@ -166,6 +166,10 @@ def launch_tile(family: str, tile, dtype=torch.float16) -> None:
             launch.stem_grad_weight(grad_y, x, stem, nin=NIN, v=V, tile=tile)
         else:
             launch.stem_grad_input(grad_y, weight, stem, nin=NIN, v=V, tile=tile, dtype=dtype)
+    elif family == "grad_bias":
+        # enough rows for several programs of several steps each
+        grad_y = torch.randn(4 * bm, 64, bn, dtype=dtype).transpose(1, 2)
+        launch.grad_bias(grad_y, tile=tile, processors=2)
     elif family.startswith("depthwise_"):
         slot_cells = torch.where(knn == NIN, V, rf.t())
         depthwise = tables.build_depthwise_tables(knn, slot_cells, nin=NIN, v=V)

@@ -87,6 +87,38 @@ def test_every_output_against_float64_with_poisoned_outputs(name):
     assert dw.dtype == torch.float32
 
 
+@pytest.mark.parametrize("batch, channels, nout, storage, dtype", [
+    (1, 1, 1, "contiguous", torch.float32),
+    (17, 70, 9, "channels_last", torch.float16),
+    (129, 16, 3, "contiguous", torch.float16),
+    (5, 200, 31, "channels_last", torch.float32),
+])
+def test_the_bias_gradient_against_float64_in_many_partials(batch, channels, nout, storage,
+                                                            dtype):
+    generator = torch.Generator().manual_seed(batch + channels)
+    grad_y = torch.randn(batch, channels, nout, generator=generator, dtype=torch.float64)
+    # values near float16's largest: their sum overflows unless it is carried in float32
+    grad_y[:, 0] = 6e4
+    stored = grad_y.to(dtype)
+    if storage == "channels_last":
+        stored = channels_last(stored)
+    tile = configs.TileConfig(16, 64, 16, 4, 1)  # several column tiles, rows in 16s
+    got = launch.grad_bias(stored, tile=tile, processors=64, poison=True)
+    want = stored.double().sum(dim=(0, 2))
+    assert got.dtype == torch.float32 and got.shape == (channels,)
+    assert rel_err(got, want) < 1e-6
+    assert torch.equal(got, launch.grad_bias(stored, tile=tile, processors=64))
+
+
+def test_the_bias_gradient_is_split_into_whole_row_blocks():
+    # 129 * 31 rows are 250 blocks of 16 rows: 62 programs' worth of four blocks, rounded to
+    # 50 programs of five blocks, the last one short; every row counted once
+    grad_y = torch.ones(129, 16, 31, dtype=torch.float16)
+    tile = configs.TileConfig(16, 16, 16, 4, 1)
+    assert torch.equal(launch.grad_bias(grad_y, tile=tile, processors=132, poison=True),
+                       torch.full((16,), 129.0 * 31))
+
+
 STEM_CASES = {  # name: (batch, cin, cout, geometry knobs), the few-channel kernels
     "b17_cin3_padding": (17, 3, 64, {"nin": 40, "nout": 9, "k": 11, "v": 14, "padding": 0.2}),
     "b1_cin1_nout1": (1, 1, 16, {"nout": 1, "k": 5}),

@@ -24,7 +24,8 @@ FIRST_KERNEL = {
     "stem_grad_input": "knn_stem_slot_grad_kernel",
     "depthwise_forward": "knn_depthwise_forward_kernel",
     "depthwise_grad_input": "knn_depthwise_grad_input_kernel",
-    "depthwise_grad_weight": "knn_depthwise_grad_weight_kernel"}
+    "depthwise_grad_weight": "knn_depthwise_grad_weight_kernel",
+    "grad_bias": "grad_bias_partials_kernel"}
 GATHER_GEMMS = ("forward", "grad_input", "grad_weight")
 
 

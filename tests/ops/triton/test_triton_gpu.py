@@ -133,6 +133,24 @@ def test_weight_gradients_are_bit_identical_from_run_to_run():
             assert torch.equal(other, runs[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("storage", ["channels_last", "contiguous"])
+def test_the_bias_gradient_against_float64_and_bit_identical_from_run_to_run(storage, dtype):
+    # a ResNet-18 layer's rows at B = 2048 (hundreds of partials) and 70 channels (a column
+    # tile partly empty)
+    generator = torch.Generator().manual_seed(7)
+    grad_y = torch.randn(2048, 70, 61, generator=generator).to(dtype).to(DEVICE)
+    if storage == "channels_last":
+        grad_y = channels_last(grad_y)
+    tile = launch.grad_bias_tile(70)
+    processors = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    runs = [launch.grad_bias(grad_y, tile=tile, processors=processors, poison=True)
+            for _ in range(5)]
+    assert rel_err(runs[0], grad_y.double().sum(dim=(0, 2))) < 1e-6
+    for other in runs[1:]:
+        assert torch.equal(other, runs[0])
+
+
 @pytest.mark.parametrize("cin", [32, 3], ids=["cin32", "stem_cin3_padded"])
 @pytest.mark.parametrize("storage", ["channels_last", "contiguous"])
 def test_a_layer_trains_on_it_under_autocast_and_deterministic_algorithms(storage, cin):

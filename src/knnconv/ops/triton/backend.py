@@ -5,7 +5,8 @@ It reads x and grad_y in channels-last storage, where a neighbour's rows for a b
 one box; operands in other storage are re-laid out once per call. Layers of fewer than 16
 input channels (image stems) run on the few-channel kernels
 (knnconv.ops.triton.stem_kernels). Every output element is written once, dW adds its
-windows' sums in window order and a stem's dx sums fixed partials, so the backward is
+windows' sums in window order, and a stem's dx and the bias gradient sum fixed partials
+(knnconv.ops.triton.bias_kernels), so the backward is
 deterministic and this backend serves under ``torch.use_deterministic_algorithms(True)``.
 Under Triton's interpreter (``TRITON_INTERPRET=1``) it also runs on CPU tensors, which is how
 the tests check it without a GPU.
@@ -189,6 +190,9 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
                 tile_w, batch=batch, cin=cin, cout=plan.cout, nin=plan.nin, nout=plan.nout,
                 v=plan.v, entries=plan.entry_count, processors=processors, l2_bytes=l2_bytes)
             keys["weight"] = ("grad_weight", grad_y.dtype, tile_w, device, windows)
+        if need_bias:
+            tile_b = launch.grad_bias_tile(plan.cout)
+            keys["bias"] = ("grad_bias", grad_y.dtype, tile_b, device)
         first = {role for role, key in keys.items() if self._first_use(key)}
         if need_input and few:
             grads[0] = launch.stem_grad_input(gy, weight, self.stem_tables(plan, device),
@@ -213,7 +217,8 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
             if cin != plan.cin:  # the padded channels' columns are the last ones
                 grads[1] = grads[1][:, :plan.cin * plan.v].contiguous()
         if need_bias:
-            grads[2] = grad_y.sum(dim=(0, 2), dtype=torch.float32)
+            grads[2] = launch.grad_bias(gy, tile=tile_b, processors=self._device_sizes(device)[0],
+                                        poison="bias" in first)
         if first:
             self._check_gradients(plan, keys, first, grads, grad_y, x, weight)
         grad_x = None if grads[0] is None else in_storage(grads[0], dx_channels_last)
@@ -270,7 +275,14 @@ class TritonOps(FirstUseChecks, GradientsFirstOps):
                     grad_y, x)
             grad_w = grad_w.to(grad_dtypes[1])
         if need_bias:
-            grad_b = grad_y.sum(dim=(0, 2), dtype=torch.float32).to(grad_dtypes[2])
+            tile = launch.grad_bias_tile(channels)
+            key = ("grad_bias", grad_y.dtype, tile, device)
+            first = self._first_use(key)
+            grad_b = launch.grad_bias(grad_y, tile=tile, processors=self._device_sizes(device)[0],
+                                      poison=first)
+            if first:
+                self._check(key, grad_b, lambda g: g.sum(dim=(0, 2)), grad_y)
+            grad_b = grad_b.to(grad_dtypes[2])
         return grad_x, grad_w, grad_b
 
     def _device_sizes(self, device: torch.device) -> tuple[int, int | None]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 FAMILIES = ("forward", "grad_input", "grad_weight", "stem_forward", "stem_grad_weight",
             "stem_grad_input", "depthwise_forward", "depthwise_grad_input",
-            "depthwise_grad_weight")
+            "depthwise_grad_weight", "grad_bias")
 CONDITIONS = ("max_batch", "min_batch", "min_n", "n_multiple_of", "min_programs")
 MIN_BLOCK = 16  # the smallest dot extent Triton takes, and a 16-byte TMA box row of fp16
 MAX_BLOCK = 256  # the largest extent of a TMA box

@@ -13,6 +13,7 @@ from functools import cache
 import torch
 import triton
 
+from .bias_kernels import grad_bias_partials_kernel
 from .configs import MIN_BLOCK, TileConfig, tile_config
 from .depthwise_kernels import (
     knn_depthwise_forward_kernel,
@@ -36,6 +37,7 @@ from .tables import DepthwiseTables, StemTables, TritonTables
 # Each kernel is launched through its compiled specialisation's launcher
 # (knnconv.ops.triton.launcher): Triton's dispatch of a call cost the host more than the launch
 conv_forward_kernel = KernelLauncher(knn_conv_forward_kernel)
+grad_bias_kernel = KernelLauncher(grad_bias_partials_kernel)
 conv_grad_input_kernel = KernelLauncher(knn_conv_grad_input_kernel)
 conv_grad_weight_kernel = KernelLauncher(knn_conv_grad_weight_kernel)
 depthwise_forward_kernel = KernelLauncher(knn_depthwise_forward_kernel)
@@ -62,6 +64,9 @@ WINDOW_L2_FRACTION = 5
 # short windows (few nodes, few cells) would otherwise pay once per window
 CHAIN_LINKS = 16
 SUMS_BYTES = 32 * 2**20
+# the bias gradient's programs sum at least this many row blocks each (fewer programs where
+# the rows are few), up to PROGRAMS_PER_SM programs per SM
+GRAD_BIAS_MIN_STEPS = 4
 # the few-channel kernels' sums (dW per cell, dx per input node) load this many table
 # entries per step
 SUM_ENTRIES = 32
@@ -160,6 +165,11 @@ def stem_grad_input_tile(batch: int, cout: int) -> TileConfig:
     return tile_config("stem_grad_input", batch=batch, n=batch, contracted_channels=cout)
 
 
+@cache
+def grad_bias_tile(channels: int) -> TileConfig:
+    return tile_config("grad_bias", batch=1, n=channels)
+
+
 @dataclass(frozen=True)
 class Windows:
     """How the convolution's dW walks each cell's pairs: the output nodes in ``shares``
@@ -218,6 +228,26 @@ def depthwise_grad_weight_splits(tile: TileConfig, *, batch: int, channels: int,
     tiles = v * math.ceil(channels / tile.block_n)
     steps = entries * math.ceil(batch / tile.block_m) // v
     return _splits(tiles, steps, processors, PROGRAMS_PER_SM)
+
+
+def grad_bias(grad_y: torch.Tensor, *, tile: TileConfig, processors: int,
+              poison: bool = False) -> torch.Tensor:
+    """The bias gradient [C] in float32, grad_y [B, C, N] summed over the batch and the nodes
+    (any strides): each program's rows into its partial, then the partials in a fixed
+    order."""
+    batch, channels, nout = grad_y.shape
+    rows = batch * nout
+    column_tiles = triton.cdiv(channels, tile.block_n)
+    steps = triton.cdiv(rows, tile.block_m)
+    programs = max(1, min(steps // GRAD_BIAS_MIN_STEPS,
+                          PROGRAMS_PER_SM * processors // column_tiles))
+    rows_per_program = triton.cdiv(steps, programs) * tile.block_m
+    programs = triton.cdiv(rows, rows_per_program)
+    partials = _poisoned_or_empty((programs, channels), torch.float32, grad_y.device, poison)
+    grad_bias_kernel[(programs, column_tiles)](
+        grad_y, partials, rows, nout, channels, rows_per_program, *_strides(grad_y),
+        BR=tile.block_m, BC=tile.block_n, num_warps=tile.warps, num_stages=tile.stages)
+    return partials[0] if programs == 1 else partials.sum(dim=0)
 
 
 def weight_by_cell(weight: torch.Tensor, cin: int, v: int, dtype: torch.dtype, *,
