@@ -10,15 +10,14 @@
 # pip wheel --no-deps "antlr4-python3-runtime==4.9.3" -w WHEEL_DIR; its other imports are
 # common).
 # Results (h200*.json/png, networks.json, demo.png, convergence_parity.json/png) land in OUTDIR,
-# at most eight files there (what a device run brings back); every stage's log, the main bench's
-# h200.csv (the rows of h200.json), and the example networks' (h200_alexnet.json,
-# h200_resnet18.json), neighbourhood, re-layout, torch_binned (h200_binned.*), host-path
-# (host*.json), fovi whole-model (h200_fovi_models.*, the depthwise families'
-# h200_families_fovi_models.*, the larger sensor's h200_in128_fovi_models.*) and fovi-kernel
-# benchmarks' JSON/PNG
-# the pooling layers' (fovi_pools.json/png, ncu_pools.log), the stems' (h200_stems.*,
-# tune_stems.json) and the gather tuner's (tune_gather.json), in
-# OUTDIR/logs.tar.gz (the fovi_kernels and
+# at most eight files there (what a device run brings back). In OUTDIR/logs.tar.gz: every
+# stage's log, the main bench's h200.csv (the rows of h200.json), and the JSON/PNG of the
+# example networks (h200_alexnet.json, h200_resnet18.json), the neighbourhood, re-layout,
+# bias-gradient (grad_bias.json), torch_binned (h200_binned.*) and host-path (host*.json)
+# benches, the fovi whole-model ones (h200_fovi_models.*, the depthwise families'
+# h200_families_fovi_models.*, the larger sensor's h200_in128_fovi_models.*), the fovi-kernel
+# bench, the pooling layers' (fovi_pools.json/png, ncu_pools.log), the stems' (h200_stems.*,
+# tune_stems.json) and the gather tuner's (tune_gather.json) (the fovi_kernels and
 # convergence stages need fovi, from WHEEL_DIR); each stage's exit status and time are
 # summarised in OUTDIR/summary.txt.
 # FOVI_TESTS: a file of fovi's own tests of the module-level kernel API (its
@@ -76,6 +75,8 @@ stage initcheck 90 compute-sanitizer --tool initcheck --error-exitcode 9 \
 stage synccheck 90 compute-sanitizer --tool synccheck --error-exitcode 9 \
   python3 scripts/sanitize_kernels.py
 stage relayouts 60 python3 scripts/bench_relayouts.py "$out/logs/relayouts.json"
+# the bias gradient: the triton kernel against torch's reductions and a copy of grad_y
+stage grad_bias 60 python3 scripts/bench_grad_bias.py "$out/logs/grad_bias.json"
 # torch_binned against cuda apart, so its time cannot cut the main bench short
 stage bench_binned 120 python3 -m knnconv.tools.bench --geometry "$geometry" --out "$out/logs" \
   --dtypes float16 --backends torch_binned,cuda --modes forward,train --check --repeats 5 \
