@@ -3,7 +3,8 @@ a GPU: its kernels in Triton's CPU interpreter (tests/conftest.py sets TRITON_IN
 where no GPU is seen), every output against float64 loops on fresh random inputs, with
 padding, bin collisions, an all-padding node and Nout = 1, at batches 1, 17 and 70 and
 channel counts past one tile, outputs NaN-poisoned before the kernels run, x in either
-storage; dW the same however its steps are split; the path through
+storage; dW the same however its steps are split; the bias gradient on its kernel where
+grad_y is channels-last, on torch's reduction where not; the path through
 knn_depthwise_conv_with_backend; pooling refused by name."""
 
 from __future__ import annotations
@@ -114,6 +115,27 @@ def test_training_through_knn_depthwise_conv(storage):
                                 float64_step(x, w, b, gy, geometry), strict=True):
         assert got.dtype == torch.float16, label
         assert rel_err(got, want) < TOLERANCE[torch.float16], label
+
+
+@pytest.mark.parametrize("storage", ["channels_last", "contiguous"])
+def test_the_bias_gradient_runs_the_kernel_on_channels_last_rows_only(storage, monkeypatch):
+    # on contiguous grad_y with few nodes the kernel's rows are strided gathers, slower than
+    # torch's reduction (bench/results/h100_grad_bias.json)
+    geometry, plan, (x, w, b, gy) = make_case("b17_c80_padding_collisions", torch.float16)
+    if storage == "channels_last":
+        gy = channels_last(gy)
+    kernel_calls, kernel = [], launch.grad_bias
+
+    def counted(*args, **kwargs):
+        kernel_calls.append(args[0].stride())
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(launch, "grad_bias", counted)
+    _, _, db = get_ops("triton").depthwise_gradients(
+        plan, gy, x, w, (False, False, True), (None, None, torch.float32))
+    assert len(kernel_calls) == (storage == "channels_last")
+    assert db.dtype == torch.float32
+    assert rel_err(db, float64_step(x, w, b, gy, geometry)[3]) < 1e-6
 
 
 def test_pooling_is_refused_by_name():
