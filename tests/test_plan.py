@@ -200,6 +200,18 @@ def test_a_transposed_knn_table_is_named_as_the_fault():
         make_plan(knn.t().contiguous(), rf, nin=10, v=5, cin=2, cout=3)
 
 
+def test_a_plan_pickled_with_its_compact_tables_as_fields_still_serves_them():
+    plan = make_plan(**base_arguments())
+    state = plan.__getstate__()
+    host = vars(state["_host"])
+    # what an older version pickled: the two tables as fields of the host tables
+    host["input_linear"], host["weight_linear"] = host.pop("compact")
+    older = KNNConvPlan.__new__(KNNConvPlan)
+    older.__setstate__(state)
+    assert older.on("cpu").input_linear[:, :6].tolist() == EXPECTED_INPUT
+    assert older.on("meta").weight_linear.shape == plan.on("cpu").weight_linear.shape
+
+
 def test_a_plan_pickled_before_it_counted_its_entries_still_counts_them():
     knn = torch.tensor([[0, 1, 3], [2, 3, 1]])  # Nin = 3 pads two slots
     plan = make_plan(knn, torch.zeros(3, 2, dtype=torch.int64), nin=3, v=1, cin=2, cout=2)

@@ -293,6 +293,9 @@ class KNNConvPlan(GeometryPlan):
         self.entry_count = int((self._host.knn_indices != self.nin).sum())
 
     def __setstate__(self, state: dict) -> None:
+        host = vars(state["_host"])
+        if "compact" not in host:  # pickled when the compact tables were two fields of their own
+            host["compact"] = (host.pop("input_linear"), host.pop("weight_linear"))
         super().__setstate__(state)
         if "entry_count" not in state:  # pickled before plans counted their entries
             self._count_entries()
