@@ -28,7 +28,7 @@ import torch
 
 from knnconv import KNNPool
 from knnconv.ops.cuda import neighbourhood
-from knnconv.tools.bench import graph_replay_ms, measure_ceilings, time_calls
+from knnconv.tools.bench import measure_ceilings, replayed_ms_per_call, time_calls, write_rows
 from knnconv.tools.fovi_models import build_fovi, sensor_samples
 
 DTYPE = torch.float16
@@ -64,12 +64,6 @@ def pooling_layers(name: str, device: torch.device) -> list[dict]:
     return found
 
 
-def gpu_ms(call, device: torch.device) -> float:
-    """GPU ms per call: CALLS calls captured as one CUDA graph, a replay's median / CALLS."""
-    return graph_replay_ms(lambda: [call() for _ in range(CALLS)], device, warmup=WARMUP,
-                           repeats=REPEATS)[0] / CALLS
-
-
 def time_pool(layer: dict, batch: int, device: torch.device) -> dict[str, float]:
     """Median ms of the forward (no grad), as called and as GPU time, and of the backward
     alone as called."""
@@ -79,7 +73,8 @@ def time_pool(layer: dict, batch: int, device: torch.device) -> dict[str, float]
     with torch.no_grad():
         times = {"forward_ms": time_calls(lambda: pool(x), device, warmup=WARMUP,
                                           repeats=REPEATS)[0],
-                 "forward_gpu_ms": gpu_ms(lambda: pool(x), device)}
+                 "forward_gpu_ms": replayed_ms_per_call(
+                     lambda: pool(x), device, calls=CALLS, warmup=WARMUP, repeats=REPEATS)}
     y = pool(x)
     grad_y = torch.randn_like(y)
 
@@ -129,10 +124,7 @@ def main() -> int:
             print(f"{name} {layer['layer']} {layer['mode']} C={layer['channels']} "
                   f"{layer['nin']}->{layer['nout']} B={batch} batch/thread {pool_batch}: "
                   f"{timed}", flush=True)
-    with open(args.out, "w") as handle:
-        json.dump({"device": torch.cuda.get_device_name(device) if device.type == "cuda"
-                   else "cpu", "ceilings": ceilings, "rows": rows}, handle, indent=1)
-    print(f"wrote {args.out}")
+    write_rows(args.out, rows, device, ceilings=ceilings)
     plot({"this run": rows}, args.out.removesuffix(".json") + ".png")
     return 0
 

@@ -12,22 +12,20 @@ Each figure is the median over 5 replays of 20 calls captured as one CUDA graph,
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
 
 from knnconv.ops.triton import launch
-from knnconv.tools.bench import graph_replay_ms
+from knnconv.tools.bench import replayed_ms_per_call, write_rows
 
 DEVICE = torch.device("cuda")
 B = 2048
 SHAPES = ((64, 964), (64, 230), (128, 60), (256, 16), (512, 2))  # (C, N)
 
 
-def gpu_ms(call, calls: int = 20, rounds: int = 5) -> float:
-    return graph_replay_ms(lambda: [call() for _ in range(calls)], DEVICE, warmup=2,
-                           repeats=rounds)[0] / calls
+def gpu_ms(call) -> float:
+    return replayed_ms_per_call(call, DEVICE)
 
 
 def case(channels: int, nodes: int, storage: str, processors: int) -> dict:
@@ -59,10 +57,7 @@ def main(out: str) -> None:
     processors = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     rows = [case(channels, nodes, storage, processors) for channels, nodes in SHAPES
             for storage in ("channels_last", "contiguous")]
-    with open(out, "w") as handle:
-        json.dump({"device": torch.cuda.get_device_name(DEVICE), "batch": B, "rows": rows},
-                  handle, indent=1)
-    print(f"wrote {out}")
+    write_rows(out, rows, DEVICE, batch=B)
 
 
 if __name__ == "__main__":

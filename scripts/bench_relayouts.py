@@ -12,7 +12,6 @@ re-layout runs once (a target for Nsight Compute: `ncu -k regex:transpose -c 6`)
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -21,7 +20,7 @@ import torch
 
 from knnconv.ops.cuda import relayout
 from knnconv.ops.cuda.launch import Transpose
-from knnconv.tools.bench import graph_replay_ms
+from knnconv.tools.bench import replayed_ms_per_call, write_rows
 
 DEVICE = torch.device("cuda")
 B = 2048
@@ -30,15 +29,14 @@ B = 2048
 ONCE = bool(os.environ.get("KNNCONV_NCU"))
 
 
-def gpu_ms(call, calls: int = 20, rounds: int = 5) -> float:
-    """GPU ms per call: 20 calls captured as one CUDA graph, the median of replays / 20 (a
-    replay issues no host launches, so small re-layouts are not timed at the launch rate)."""
+def gpu_ms(call) -> float:
+    """GPU ms per call, replayed (knnconv.tools.bench.replayed_ms_per_call); under Nsight
+    Compute one call, untimed."""
     if ONCE:
         call()
         torch.cuda.synchronize()
         return math.nan
-    return graph_replay_ms(lambda: [call() for _ in range(calls)], DEVICE, warmup=2,
-                           repeats=rounds)[0] / calls
+    return replayed_ms_per_call(call, DEVICE)
 
 
 def case(name, src, src_strides, src_extents, dst_extents, dst_strides, dst_dtype, torch_copy,
@@ -112,10 +110,7 @@ def main(out: str) -> None:
     rows.append(row_of("layer4 fp32 weight -> by cell^T (V 36)", "WeightLayout",
                        None, w32, wc, gpu_ms(lambda: by_cell(w32, wc.data_ptr())),
                        gpu_ms(lambda: wc.copy_(w32.view(512, 512, 36).permute(2, 1, 0)))))
-    with open(out, "w") as handle:
-        json.dump({"device": torch.cuda.get_device_name(DEVICE), "batch": B, "rows": rows},
-                  handle, indent=1)
-    print(f"wrote {out}")
+    write_rows(out, rows, DEVICE, batch=B)
 
 
 if __name__ == "__main__":

@@ -338,3 +338,23 @@ def test_the_stems_join_the_benchmark_set_when_asked(tmp_path):
     rows = json.loads((tmp_path / "cpu.json").read_text())["rows"]
     assert {row["layer"] for row in rows} == {"generated:stem-res64-k49"}
     assert all(row["status"] == "ok" for row in rows)
+
+
+def test_a_scripts_rows_are_written_with_the_device_and_what_else_it_says(tmp_path, capsys):
+    path = tmp_path / "out.json"
+    bench.write_rows(path, [{"ms": 1.5}], torch.device("cpu"), batch=7)
+    assert json.loads(path.read_text()) == {"device": "cpu", "batch": 7, "rows": [{"ms": 1.5}]}
+    assert f"wrote {path}" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_replayed_call_is_timed_per_call():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    device = torch.device("cuda")
+    x = torch.randn(2**24, device=device)
+    one = bench.replayed_ms_per_call(lambda: x.add_(1), device, calls=4, repeats=3)
+    # sixteen adds a call take longer than one (a per-call figure, not per graph)
+    sixteen = bench.replayed_ms_per_call(lambda: [x.add_(1) for _ in range(16)], device,
+                                         calls=4, repeats=3)
+    assert 0 < one < sixteen

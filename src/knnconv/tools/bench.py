@@ -249,6 +249,23 @@ def compiled_train_ms(plan: KNNConvPlan, inputs: CellInputs, backend: str,
                           reset=inputs.clear_grads)[0]
 
 
+def replayed_ms_per_call(call: Callable[[], Any], device: torch.device, *, calls: int = 20,
+                         warmup: int = 2, repeats: int = 5) -> float:
+    """GPU ms of one ``call``: ``calls`` of them captured as one CUDA graph, the median of
+    ``repeats`` replays divided by ``calls`` (a replay issues no host launches, so a short
+    kernel is not timed at the launch rate)."""
+    return graph_replay_ms(lambda: [call() for _ in range(calls)], device, warmup=warmup,
+                           repeats=repeats)[0] / calls
+
+
+def write_rows(path: str | Path, rows: list[dict[str, Any]], device: torch.device,
+               **meta: Any) -> None:
+    """A benchmark script's results as JSON: the device's name, ``meta`` and the rows."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    Path(path).write_text(json.dumps({"device": name, **meta, "rows": rows}, indent=1))
+    print(f"wrote {path}")
+
+
 def _copy_ms(device: torch.device) -> float:
     src = torch.randn(COPY_CEILING_BYTES // 2, dtype=torch.float16, device=device)
     dst = torch.empty_like(src)

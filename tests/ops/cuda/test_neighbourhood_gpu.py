@@ -295,8 +295,8 @@ def test_channels_last_pool_loads_the_widest_aligned_channel_run(dtype, channels
 @pytest.mark.parametrize("pool_batch", neighbourhood.POOL_BATCHES)
 def test_channels_last_pool_gradient_of_many_pairs_per_input_node(dtype, mode, pool_batch,
                                                                    monkeypatch):
-    # about 36 pairs read each input node: the backward takes them a few at a time, the last
-    # few partial; 5 batch elements leave a partial batch group for 2 and 4 per thread
+    # about 36 pairs read each input node (its gradient a long sum over them); 5 batch
+    # elements leave a partial batch group for 2 and 4 per thread
     monkeypatch.setattr(neighbourhood, "POOL_BATCH", pool_batch)
     _, knn = table_with_all_padding_node(11, nin=POOL_NIN, nout=300, k=9, padding=0.2)
     x, grad_y = pool_inputs(64, 5, 64, knn, mode, dtype)
